@@ -1,0 +1,30 @@
+# The two commands the README promises: `make demo` and `make test`. Each sets itself up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup data bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Fashion-MNIST from Debian's dataset-fashion-mnist package (needs root; skipped with a hint otherwise).
+data:
+	@bash scripts/install_fashion_mnist.sh
+
+demo: $(STAMP) data
+	$(PY) -m scripts.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m scripts.bench_block
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Pieces shared by the vision (DeiT) and diffusion (DiT) families."""

@@ -1,0 +1,192 @@
+"""The residual topologies of a two-sublayer transformer block, implemented once.
+
+Every model in this repository (DeiT in ``vision/``, DiT in ``diffusion/``) builds its blocks on
+:class:`ResidualBlock`: the block owns the LayerNorms and the stream arithmetic, the model only
+supplies the two sublayer functions (attention and MLP, plus whatever adaLN modulation wraps them).
+
+Topologies (per block):
+
+* ``pre``     -- ``Y <- Y + F(LN(Y))``                      (norm named ``norm{i}``)
+* ``post``    -- ``X <- LN(X + F(X))``                      (norm named ``norm{i}``)
+* ``siamese`` -- SiameseNorm (arXiv 2602.08064, METHOD.md section 1)::
+
+      X <- LN_post(X)
+      Z <- F(LN_in(X + LN_pre(Y)))      # LN_in optional ("Normalized Input")
+      X <- X + Z / c_l                  # c_l = sqrt(2(l+1)), optional ("Depth-wise Scaling")
+      Y <- Y + Z
+
+  norms named ``pre_norm{i}``, ``post_norm{i}``, ``input_norm{i}`` as in the public SiameseNorm DeiT.
+
+Model-level topologies add ``mixln`` (Mix-LN: Post-Norm in the first ``k`` blocks, Pre-Norm after);
+:func:`block_topologies` resolves a model topology into one block topology per depth.
+
+A stream *state* is a tensor for the single-stream topologies and a tuple ``(X, Y)`` for Siamese;
+:func:`init_streams` creates it from the embedding and :class:`SiameseFusion` / :func:`build_fusion`
+turns the final state into the features the head reads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+StreamState = Union[Tensor, Tuple[Tensor, Tensor]]
+Sublayer = Callable[[Tensor], Tensor]
+
+BLOCK_TOPOLOGIES = ("pre", "post", "siamese")
+MODEL_TOPOLOGIES = ("pre", "post", "siamese", "mixln")
+LN_EPS = 1e-6
+
+
+def check_topology(topology: str, allowed: Sequence[str] = MODEL_TOPOLOGIES) -> str:
+    if topology not in allowed:
+        raise ValueError(f"unknown residual topology {topology!r}; valid topologies are {', '.join(allowed)}")
+    return topology
+
+
+def default_mixln_post_blocks(depth: int) -> int:
+    """Mix-LN's default: Post-Norm in the first quarter of the blocks (at least one)."""
+    return max(1, round(0.25 * depth))
+
+
+def block_topologies(topology: str, depth: int, mixln_post_blocks: Optional[int] = None) -> list:
+    """Resolve a model-level topology into the topology of each of ``depth`` blocks."""
+    check_topology(topology)
+    if topology != "mixln":
+        return [topology] * depth
+    k = default_mixln_post_blocks(depth) if mixln_post_blocks is None else int(mixln_post_blocks)
+    if not 0 <= k <= depth:
+        raise ValueError(f"mixln_post_blocks={k} must lie in [0, depth={depth}]")
+    return ["post"] * k + ["pre"] * (depth - k)
+
+
+def depth_scale(layer_index: int, enabled: bool = True) -> float:
+    """SiameseNorm's depth-wise scale ``c_l = sqrt(2(l+1))`` for 0-based block ``l``."""
+    return math.sqrt(2.0 * (layer_index + 1)) if enabled else 1.0
+
+
+def init_streams(x: Tensor, topology: str) -> StreamState:
+    """Both Siamese streams start as the same embedding; other topologies carry one stream."""
+    return (x, x) if topology == "siamese" else x
+
+
+def default_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=LN_EPS)
+
+
+class ResidualBlock(nn.Module):
+    """Base class of a transformer block with two sublayers wired by a residual topology.
+
+    Subclasses create their sublayers and call :meth:`residual` for sublayer 1 and 2 in ``forward``.
+    The norms are attributes of the block itself (not of a wrapper) so that state-dict keys match
+    timm (``blocks.i.norm1``) and the public SiameseNorm files (``blocks.i.pre_norm1``) by name.
+
+    Args:
+        dim: channel width of the streams.
+        layer_index: 0-based depth of the block (sets the Siamese depth scale).
+        topology: ``pre``, ``post`` or ``siamese``.
+        normalized_input: Siamese only; apply ``LN_in`` to ``X + LN_pre(Y)`` (paper Table 3).
+        depth_scaling: Siamese only; divide the ``X`` update by ``sqrt(2(l+1))`` (paper Table 3).
+        norm_layer: factory ``dim -> module`` for the affine stream norms (pre/post/fusion norms).
+        input_norm_layer: factory for the norm a sublayer reads through (Pre-Norm's norm, Siamese's
+            ``LN_in``). Defaults to ``norm_layer``; DiT passes a non-affine LayerNorm and applies its
+            adaLN modulation inside the sublayer function.
+        drop_path: stochastic-depth rate applied once to each sublayer output ``Z``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        layer_index: int = 0,
+        topology: str = "pre",
+        *,
+        normalized_input: bool = True,
+        depth_scaling: bool = True,
+        norm_layer: Callable[[int], nn.Module] = default_norm,
+        input_norm_layer: Optional[Callable[[int], nn.Module]] = None,
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        check_topology(topology, BLOCK_TOPOLOGIES)
+        self.topology = topology
+        self.layer_index = layer_index
+        self.normalized_input = normalized_input
+        self.depth_scale = depth_scale(layer_index, depth_scaling) if topology == "siamese" else 1.0
+        input_norm_layer = input_norm_layer or norm_layer
+        for i in (1, 2):
+            if topology == "pre":
+                setattr(self, f"norm{i}", input_norm_layer(dim))
+            elif topology == "post":
+                setattr(self, f"norm{i}", norm_layer(dim))
+            else:
+                setattr(self, f"pre_norm{i}", norm_layer(dim))
+                setattr(self, f"post_norm{i}", norm_layer(dim))
+                setattr(self, f"input_norm{i}", input_norm_layer(dim) if normalized_input else nn.Identity())
+        # Imported lazily so that common/ has no hard dependency on timm at import time.
+        from timm.layers import DropPath
+
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def residual(self, index: int, state: StreamState, sublayer: Sublayer) -> StreamState:
+        """Apply sublayer ``index`` (1 or 2) to the stream state with this block's topology."""
+        if self.topology == "pre":
+            norm = getattr(self, f"norm{index}")
+            return state + self.drop_path(sublayer(norm(state)))
+        if self.topology == "post":
+            norm = getattr(self, f"norm{index}")
+            return norm(state + self.drop_path(sublayer(state)))
+        x, y = state
+        x = getattr(self, f"post_norm{index}")(x)
+        mixed = x + getattr(self, f"pre_norm{index}")(y)
+        z = self.drop_path(sublayer(getattr(self, f"input_norm{index}")(mixed)))
+        return x + z / self.depth_scale, y + z
+
+    def extra_repr(self) -> str:
+        s = f"topology={self.topology}, layer_index={self.layer_index}"
+        if self.topology == "siamese":
+            s += f", normalized_input={self.normalized_input}, depth_scale={self.depth_scale:.4f}"
+        return s
+
+
+class SiameseFusion(nn.Module):
+    """Fuse the two Siamese streams after the last block: ``LN_out(LN_x(X) + LN_y(Y))``.
+
+    ``final_norm=False`` drops ``LN_out`` (DiT, whose final layer normalises again).
+    """
+
+    def __init__(self, dim: int, norm_layer: Callable[[int], nn.Module] = default_norm, final_norm: bool = True):
+        super().__init__()
+        self.norm_x = norm_layer(dim)
+        self.norm_y = norm_layer(dim)
+        self.norm_out = norm_layer(dim) if final_norm else nn.Identity()
+
+    def forward(self, state: Tuple[Tensor, Tensor]) -> Tensor:
+        x, y = state
+        return self.norm_out(self.norm_x(x) + self.norm_y(y))
+
+
+def build_fusion(
+    dim: int,
+    topology: str,
+    *,
+    last_block_topology: Optional[str] = None,
+    final_norm: bool = True,
+    norm_layer: Callable[[int], nn.Module] = default_norm,
+) -> nn.Module:
+    """The module between the last block and the head.
+
+    * siamese: :class:`SiameseFusion`;
+    * a model whose last block is Pre-Norm (``pre``, ``mixln``): the usual final LayerNorm when
+      ``final_norm`` (key ``norm.weight``, as timm), else identity;
+    * a model whose last block is Post-Norm: identity, the stream is already normalised.
+    """
+    check_topology(topology)
+    if topology == "siamese":
+        return SiameseFusion(dim, norm_layer, final_norm=final_norm)
+    last = last_block_topology or ("pre" if topology == "mixln" else topology)
+    if last == "pre" and final_norm:
+        return norm_layer(dim)
+    return nn.Identity()

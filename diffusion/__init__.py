@@ -1,0 +1,1 @@
+"""Diffusion transformers (DiT) with switchable residual topology, Gaussian diffusion, latents, sampling, FID."""
