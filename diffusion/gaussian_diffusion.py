@@ -1,0 +1,229 @@
+"""Gaussian diffusion as DiT trains and samples it (METHOD.md section 4).
+
+1000 steps, linear betas 1e-4..0.02, the network predicts the noise ``eps`` and, with
+``learn_sigma=True``, a second set of channels ``v`` in [-1, 1] that interpolates the log-variance of
+each reverse step between the posterior variance and ``beta_t`` ("learned range", Nichol & Dhariwal).
+The training loss is ``MSE(eps) + VLB`` where the VLB term sees the predicted mean with its gradient
+stopped, so it trains the variance only. ``learn_sigma=False`` trains plain MSE and samples with the
+fixed "large" variance ``beta_t``.
+
+The schedule (betas, cumulative alphas, ``add_noise``, the evenly spaced sampling timesteps) comes from
+diffusers' :class:`~diffusers.DDPMScheduler`; diffusers has no variational bound and its learned-range
+variance differs from ADM's at ``t=0`` (where the VLB's decoder term lives), so the posterior, the
+reverse-step parameters and the VLB are written here, as pure functions of tensors.
+
+Timestep respacing (``sampling_steps=250``) keeps a subset of the 1000 training timesteps and
+recomputes the betas between them; ``t`` passed to this module's methods then indexes the *respaced*
+steps, and :meth:`GaussianDiffusion.model_timesteps` maps them back to the training timesteps the
+network is conditioned on.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional
+
+import torch
+from diffusers import DDPMScheduler
+
+Tensor = torch.Tensor
+LOG2 = math.log(2.0)
+
+
+def extract(coefficients: Tensor, t: Tensor, like: Tensor) -> Tensor:
+    """Per-sample schedule value ``coefficients[t]``, shaped to broadcast against ``like`` (B, ...)."""
+    out = coefficients.to(device=t.device)[t].to(like.dtype)
+    return out.reshape(t.shape[0], *([1] * (like.ndim - 1)))
+
+
+def mean_flat(x: Tensor) -> Tensor:
+    """Mean over all but the batch dimension."""
+    return x.mean(dim=tuple(range(1, x.ndim)))
+
+
+def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:
+    """Elementwise KL( N(mean1, exp(logvar1)) || N(mean2, exp(logvar2)) ) in nats."""
+    return 0.5 * (logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2) - 1.0)
+
+
+def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tensor, bins: int = 256) -> Tensor:
+    """Elementwise log-probability of data ``x`` in [-1, 1], quantised to ``bins`` levels, under
+    N(mean, exp(log_scale)^2); the outermost bins extend to -inf / +inf.
+
+    Uses the exact normal CDF (``torch.special``) where ADM uses a tanh approximation; the two agree
+    to ~1e-3 in the CDF and this term only exists at t=0.
+    """
+    half_bin = 1.0 / (bins - 1)
+    inv_std = torch.exp(-log_scale)
+    upper = inv_std * (x - mean + half_bin)
+    lower = inv_std * (x - mean - half_bin)
+    log_cdf_upper = torch.special.log_ndtr(upper)  # log P(z < upper): the lowest bin
+    log_sf_lower = torch.special.log_ndtr(-lower)  # log P(z > lower): the highest bin
+    # The bin mass from the tail that keeps it representable: upper bins via the survival function.
+    mass = torch.where(
+        lower > 0,
+        torch.special.ndtr(-lower) - torch.special.ndtr(-upper),
+        torch.special.ndtr(upper) - torch.special.ndtr(lower),
+    )
+    log_mass = torch.log(mass.clamp(min=1e-12))
+    return torch.where(x < -1.0 + 1e-3, log_cdf_upper, torch.where(x > 1.0 - 1e-3, log_sf_lower, log_mass))
+
+
+class GaussianDiffusion:
+    """DDPM schedule, posterior, reverse step and DiT's training loss.
+
+    Args:
+        num_train_timesteps: length of the training chain (1000).
+        beta_start, beta_end: the linear beta schedule.
+        learn_sigma: the model outputs ``2C`` channels (eps and the variance interpolation ``v``).
+        sampling_steps: respace to this many evenly spaced steps (``None`` = all training steps).
+    """
+
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+        learn_sigma: bool = True,
+        sampling_steps: Optional[int] = None,
+    ):
+        self.learn_sigma = learn_sigma
+        self.num_train_timesteps = num_train_timesteps
+        self.scheduler = DDPMScheduler(
+            num_train_timesteps=num_train_timesteps,
+            beta_schedule="linear",
+            beta_start=beta_start,
+            beta_end=beta_end,
+            prediction_type="epsilon",
+            timestep_spacing="linspace",  # round(linspace(0, T-1, n)), the same steps as ADM's space_timesteps
+            clip_sample=False,
+        )
+        # diffusers keeps the schedule in float32; the posterior and the VLB need float64 (as ADM).
+        train_alphas_cumprod = torch.cumprod(1.0 - self.scheduler.betas.double(), dim=0)
+        if sampling_steps is None or sampling_steps == num_train_timesteps:
+            kept = torch.arange(num_train_timesteps)
+        else:
+            if not 1 <= sampling_steps <= num_train_timesteps:
+                raise ValueError(f"sampling_steps={sampling_steps} must lie in [1, {num_train_timesteps}]")
+            self.scheduler.set_timesteps(sampling_steps)
+            kept = self.scheduler.timesteps.flip(0).long()
+        self.timestep_map = kept  # respaced index -> training timestep the model is conditioned on
+        self.num_timesteps = len(kept)
+
+        # Respacing keeps alphas_cumprod at the kept steps and recomputes the betas between them.
+        alphas_cumprod = train_alphas_cumprod[kept]
+        alphas_cumprod_prev = torch.cat([alphas_cumprod.new_ones(1), alphas_cumprod[:-1]])
+        betas = 1.0 - alphas_cumprod / alphas_cumprod_prev
+        self.betas = betas
+        self.alphas_cumprod = alphas_cumprod
+        self.alphas_cumprod_prev = alphas_cumprod_prev
+        self.sqrt_recip_alphas_cumprod = torch.sqrt(1.0 / alphas_cumprod)
+        self.sqrt_recipm1_alphas_cumprod = torch.sqrt(1.0 / alphas_cumprod - 1.0)
+        # Posterior q(x_{t-1} | x_t, x_0).
+        self.posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
+        # The posterior variance is 0 at t=0; like ADM, use the t=1 value there so the log stays finite.
+        self.posterior_log_variance_clipped = torch.log(
+            torch.cat([self.posterior_variance[1:2], self.posterior_variance[1:]])
+        )
+        self.posterior_mean_coef1 = betas * torch.sqrt(alphas_cumprod_prev) / (1.0 - alphas_cumprod)
+        self.posterior_mean_coef2 = (1.0 - alphas_cumprod_prev) * torch.sqrt(1.0 - betas) / (1.0 - alphas_cumprod)
+        # "Large" fixed variance used when the variance is not learned: beta_t (posterior value at t=0).
+        self.fixed_large_log_variance = torch.log(torch.cat([self.posterior_variance[1:2], betas[1:]]))
+
+    # ----------------------------------------------------------------------------------------- forward
+    def model_timesteps(self, t: Tensor) -> Tensor:
+        """The training timesteps the network is conditioned on for (possibly respaced) indices ``t``."""
+        return self.timestep_map.to(t.device)[t]
+
+    def q_sample(self, x_start: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+        """Sample ``x_t ~ q(x_t | x_0)``: ``sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise`` (diffusers' add_noise)."""
+        return self.scheduler.add_noise(x_start, noise, self.model_timesteps(t))
+
+    def q_posterior(self, x_start: Tensor, x_t: Tensor, t: Tensor):
+        """Mean, variance and clipped log-variance of ``q(x_{t-1} | x_t, x_0)``."""
+        mean = extract(self.posterior_mean_coef1, t, x_t) * x_start + extract(self.posterior_mean_coef2, t, x_t) * x_t
+        return mean, extract(self.posterior_variance, t, x_t), extract(self.posterior_log_variance_clipped, t, x_t)
+
+    def predict_xstart_from_eps(self, x_t: Tensor, t: Tensor, eps: Tensor) -> Tensor:
+        return extract(self.sqrt_recip_alphas_cumprod, t, x_t) * x_t - extract(self.sqrt_recipm1_alphas_cumprod, t, x_t) * eps
+
+    # ----------------------------------------------------------------------------------------- reverse
+    def split_output(self, model_output: Tensor, x_t: Tensor):
+        """(eps, variance values or None) from the network output; checks the channel count."""
+        channels = x_t.shape[1]
+        expected = 2 * channels if self.learn_sigma else channels
+        if model_output.shape[1] != expected:
+            raise ValueError(
+                f"model output has {model_output.shape[1]} channels, expected {expected} for {channels}-channel "
+                f"inputs with learn_sigma={self.learn_sigma}; build the model with the same learn_sigma"
+            )
+        if self.learn_sigma:
+            return model_output[:, :channels], model_output[:, channels:]
+        return model_output, None
+
+    def p_mean_variance(self, model_output: Tensor, x_t: Tensor, t: Tensor, clip_denoised: bool = False) -> Dict[str, Tensor]:
+        """Parameters of the reverse step ``p(x_{t-1} | x_t)`` from the network output at ``(x_t, t)``.
+
+        Returns ``mean``, ``variance``, ``log_variance`` and ``pred_xstart`` (clamped to [-1, 1] when
+        ``clip_denoised``; DiT samples latents unclipped).
+        """
+        eps, var_values = self.split_output(model_output, x_t)
+        if var_values is None:
+            log_variance = extract(self.fixed_large_log_variance, t, x_t).expand_as(x_t)
+        else:
+            min_log = extract(self.posterior_log_variance_clipped, t, x_t)
+            max_log = extract(torch.log(self.betas), t, x_t)
+            frac = (var_values + 1.0) / 2.0
+            log_variance = frac * max_log + (1.0 - frac) * min_log
+        pred_xstart = self.predict_xstart_from_eps(x_t, t, eps)
+        if clip_denoised:
+            pred_xstart = pred_xstart.clamp(-1.0, 1.0)
+        mean, _, _ = self.q_posterior(pred_xstart, x_t, t)
+        return {"mean": mean, "variance": torch.exp(log_variance), "log_variance": log_variance, "pred_xstart": pred_xstart}
+
+    def p_sample(
+        self, model_output: Tensor, x_t: Tensor, t: Tensor, noise: Tensor, clip_denoised: bool = False
+    ) -> Dict[str, Tensor]:
+        """One ancestral step ``x_{t-1} = mean + exp(log_variance / 2) * noise`` (no noise at t=0).
+
+        ``model_output`` is the network's output at ``(x_t, model_timesteps(t))`` (after any guidance);
+        returns ``sample`` and ``pred_xstart``.
+        """
+        out = self.p_mean_variance(model_output, x_t, t, clip_denoised=clip_denoised)
+        nonzero = (t != 0).to(x_t.dtype).reshape(-1, *([1] * (x_t.ndim - 1)))
+        sample = out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise
+        return {"sample": sample, "pred_xstart": out["pred_xstart"]}
+
+    # ------------------------------------------------------------------------------------------ losses
+    def vb_terms_bpd(self, model_output: Tensor, x_start: Tensor, x_t: Tensor, t: Tensor) -> Tensor:
+        """Per-sample VLB term in bits per dimension: ``KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t))`` for
+        t > 0, the discretised decoder NLL ``-log p(x_0 | x_1)`` at t = 0."""
+        true_mean, _, true_log_variance = self.q_posterior(x_start, x_t, t)
+        out = self.p_mean_variance(model_output, x_t, t)
+        kl = mean_flat(normal_kl(true_mean, true_log_variance, out["mean"], out["log_variance"])) / LOG2
+        nll = -discretized_gaussian_log_likelihood(x_start, out["mean"], 0.5 * out["log_variance"])
+        nll = mean_flat(nll) / LOG2
+        return torch.where(t == 0, nll, kl)
+
+    def training_losses(
+        self,
+        model: Callable[..., Tensor],
+        x_start: Tensor,
+        t: Tensor,
+        noise: Tensor,
+        model_kwargs: Optional[dict] = None,
+    ) -> Dict[str, Tensor]:
+        """Per-sample ``loss = mse + vb`` (``vb = 0`` without learned sigma) for training indices ``t``.
+
+        ``model(x_t, timesteps, **model_kwargs)`` is called once. The VLB sees the eps prediction
+        detached, so it only trains the variance channels (the MSE trains the mean).
+        """
+        x_t = self.q_sample(x_start, t, noise)
+        model_output = model(x_t, self.model_timesteps(t), **(model_kwargs or {})).float()
+        eps, var_values = self.split_output(model_output, x_t)
+        mse = mean_flat((noise - eps) ** 2)
+        if var_values is None:
+            vb = torch.zeros_like(mse)
+        else:
+            frozen = torch.cat([eps.detach(), var_values], dim=1)
+            vb = self.vb_terms_bpd(frozen, x_start, x_t, t)
+        return {"loss": mse + vb, "mse": mse, "vb": vb}
