@@ -1,0 +1,248 @@
+"""YAML recipes -> typed, validated dataclasses, with ``key=value`` command-line overrides.
+
+A config schema is a (possibly nested) dataclass; every field needs a default. Loading::
+
+    cfg = load_config(TrainConfig, "configs/deit_tiny_siamese.yaml", ["optim.batch_size=256", "data.path=/in1k"])
+
+* ``base: other.yaml`` at the top of a file inherits that file (path relative to the including file) and
+  deep-merges this file over it, so each recipe number has one home. Bases may chain.
+* Overrides are ``dotted.key=value``; the value is parsed as YAML (``1e-3``, ``true``, ``[0.08, 1.0]``,
+  ``null``) and applied after the files.
+* Validation: an unknown key raises :class:`ConfigError` listing the valid keys of its section (with a
+  "did you mean" hint); values are type-checked against the dataclass annotations (``int``, ``float``,
+  ``bool``, ``str``, ``Optional[...]``, ``List[...]``/``Tuple[...]``, ``Dict[str, ...]``, ``Literal[...]``,
+  nested dataclasses). An ``int`` is accepted for a ``float`` field, and ``"5e-4"`` (which YAML 1.1 reads
+  as a string) is accepted as a float.
+
+Also: :func:`config_to_dict` (plain nested dict), :func:`save_config` (write the resolved config next to a
+run, so the run can be reproduced with ``--config <run>/config.yaml``), :func:`flatten` (dotted keys).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+BASE_KEY = "base"
+
+
+class ConfigError(ValueError):
+    """A recipe file or override that does not fit the config schema."""
+
+
+# ----------------------------------------------------------------------------- reading files
+
+def read_yaml(path: Union[str, os.PathLike], _chain: Sequence[Path] = ()) -> dict:
+    """Read a YAML recipe and, recursively, the ``base:`` files it names; return the merged dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist (pass an existing YAML file to --config)")
+    if path.resolve() in _chain:
+        raise ConfigError(f"config files include each other in a cycle: {' -> '.join(map(str, _chain))} -> {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of keys to values at the top level, got {type(data).__name__}")
+    base = data.pop(BASE_KEY, None)
+    if base is None:
+        return data
+    bases = [base] if isinstance(base, str) else base
+    merged: dict = {}
+    for b in bases:
+        merged = deep_merge(merged, read_yaml(path.parent / b, (*_chain, path.resolve())))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: Mapping, override: Mapping) -> dict:
+    """``override`` over ``base``; nested mappings merge key by key, everything else is replaced."""
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict:
+    """``["optim.lr=1e-3", "data.path=/x"]`` -> nested dict, values parsed as YAML."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.batch_size=256)")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key; write section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
+        node[leaf] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, where: str) -> Any:
+    """Check ``value`` against annotation ``tp``; return it (converted where lossless)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any or tp is object:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} is a section; give it a mapping of keys, got {value!r}")
+        return _build(tp, value, where)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}={value!r} does not match {_type_name(tp)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}={value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple, List, Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where} must have {len(args)} entries, got {len(value)}: {value!r}")
+            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        val_tp = args[1] if args else Any
+        return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r} (quote it in YAML)")
+        return value
+    raise TypeError(f"config.py cannot validate annotation {tp!r} of {where}; use a simpler type")
+
+
+def _build(cls: Type[T], values: Mapping, where: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in values if k not in fields]
+    if unknown:
+        section = f"section {where!r}" if where else "the top level"
+        k = unknown[0]
+        close = difflib.get_close_matches(str(k), list(fields), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown config key {k!r} in {section}{hint}; valid keys are: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in values:
+            kwargs[name] = _coerce(values[name], hints[name], f"{where}.{name}" if where else name)
+        elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
+            kwargs[name] = _build(hints[name], {}, f"{where}.{name}" if where else name)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"invalid config{' section ' + repr(where) if where else ''}: {err}") from err
+
+
+def from_dict(cls: Type[T], values: Mapping) -> T:
+    """Build and validate a config dataclass from a plain (nested) dict."""
+    return _build(cls, values)
+
+
+def load_config(cls: Type[T], path: Optional[Union[str, os.PathLike]] = None, overrides: Iterable[str] = ()) -> T:
+    """Read ``path`` (with its ``base:`` chain), apply ``key=value`` overrides, validate into ``cls``."""
+    values = read_yaml(path) if path is not None else {}
+    values = deep_merge(values, parse_overrides(overrides))
+    try:
+        return _build(cls, values)
+    except ConfigError as err:
+        origin = f" (from {path} and overrides {list(overrides)})" if path else ""
+        raise ConfigError(f"{err}{origin}") from None
+
+
+# ----------------------------------------------------------------------------- writing
+
+def config_to_dict(cfg) -> dict:
+    """Plain nested dict of a config dataclass (tuples become lists, so it round-trips through YAML)."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)
+
+
+def flatten(d: Mapping, prefix: str = "") -> dict:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}`` (for trackers that want flat hyper-parameters)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def save_config(cfg, path: Union[str, os.PathLike]) -> Path:
+    """Write the resolved config as YAML (atomically) so that the run can be repeated from it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,235 @@
+"""Data pieces both families need: Fashion-MNIST from IDX files, and a resumable, deterministic sampler.
+
+Fashion-MNIST::
+
+    images, labels = load_fashion_mnist("train")          # uint8 [60000, 28, 28], int64 [60000]
+    ds = FashionMNIST("test", transform=..., mode="RGB")  # PIL images, like torchvision's dataset
+
+Files are looked up in Debian's ``dataset-fashion-mnist`` location (``/usr/share/datasets/fashion-mnist``)
+first, then under a torchvision root (``<root>/FashionMNIST/raw`` or ``<root>`` itself).
+
+Sampling::
+
+    sampler = ResumableSampler(len(ds), num_replicas=world, rank=rank, seed=0, repeats=3)
+    loader = DataLoader(SeededDataset(ds), batch_size=b, sampler=sampler, drop_last=True,
+                        generator=torch.Generator())  # keeps the loader off the global torch RNG
+    sampler.set_epoch(epoch, start=samples_already_consumed_globally)
+
+:class:`ResumableSampler` yields ``(index, sample_seed)``; :class:`SeededDataset` runs the wrapped
+dataset's ``__getitem__`` (and so its random augmentations) under that seed. Augmentations then depend
+only on ``(seed, epoch, position in the epoch)``: not on the number of workers, the number of processes
+or whether the run was resumed mid-epoch. That is what makes kill-and-resume and 1-vs-N-process runs
+reproduce the same batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import math
+import os
+import random
+import struct
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+_SPLIT_PREFIX = {"train": "train", "test": "t10k", "val": "t10k"}
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+# ----------------------------------------------------------------------------- Fashion-MNIST
+
+def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
+    """Read an IDX file (optionally gzipped), the format of MNIST and Fashion-MNIST."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path} is not an IDX file (bad magic number {data[:4].hex()})")
+    ndim = data[3]
+    shape = struct.unpack(f">{ndim}I", data[4: 4 + 4 * ndim])
+    array = np.frombuffer(data, dtype=_IDX_DTYPES[data[2]], offset=4 + 4 * ndim)
+    if array.size != math.prod(shape):
+        raise ValueError(f"{path} is truncated: header says {shape}, found {array.size} values")
+    return array.reshape(shape)
+
+
+def find_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = None) -> Tuple[Path, Path]:
+    """Paths of the (images, labels) IDX files of a split, Debian location first, then ``root``."""
+    if split not in _SPLIT_PREFIX:
+        raise ValueError(f"Fashion-MNIST split {split!r}; choose 'train' or 'test'")
+    prefix = _SPLIT_PREFIX[split]
+    candidates = [DEBIAN_FASHION_MNIST]
+    if root is not None:
+        root = Path(root)
+        candidates += [root / "FashionMNIST" / "raw", root]
+    for d in candidates:
+        for suffix in (".gz", ""):
+            images = d / f"{prefix}-images-idx3-ubyte{suffix}"
+            labels = d / f"{prefix}-labels-idx1-ubyte{suffix}"
+            if images.is_file() and labels.is_file():
+                return images, labels
+    raise FileNotFoundError(
+        f"Fashion-MNIST {split} files ({prefix}-images-idx3-ubyte[.gz], {prefix}-labels-idx1-ubyte[.gz]) not found in "
+        f"{', '.join(str(c) for c in candidates)}. Install them with `sudo apt-get install dataset-fashion-mnist` "
+        "(or `make data`), or pass the directory of a torchvision download as the data path."
+    )
+
+
+def load_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """``(images uint8 [N, 28, 28], labels int64 [N])`` of the ``train`` or ``test`` split."""
+    images_path, labels_path = find_fashion_mnist(split, root)
+    images, labels = read_idx(images_path), read_idx(labels_path).astype(np.int64)
+    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+        raise ValueError(f"{images_path} / {labels_path}: shapes {images.shape} / {labels.shape} are not an image set")
+    return images, labels
+
+
+class FashionMNIST(Dataset):
+    """Fashion-MNIST as ``(PIL image, label)`` pairs (``mode="RGB"`` for 3-channel models).
+
+    ``limit`` keeps the first ``limit`` samples (for quick runs and tests).
+    """
+
+    classes = FASHION_MNIST_CLASSES
+
+    def __init__(self, split: str = "train", root=None, transform=None, mode: str = "L", limit: Optional[int] = None):
+        self.images, self.labels = load_fashion_mnist(split, root)
+        if limit is not None:
+            self.images, self.labels = self.images[:limit], self.labels[:limit]
+        self.transform = transform
+        self.mode = mode
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+
+        image = Image.fromarray(self.images[index])  # uint8 HxW -> mode "L"
+        if self.mode != "L":
+            image = image.convert(self.mode)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+# ----------------------------------------------------------------------------- deterministic sampling
+
+def sample_seed(seed: int, epoch: int, position: int) -> int:
+    """A 32-bit seed that depends only on (run seed, epoch, global position in the epoch)."""
+    return int(np.random.SeedSequence([int(seed), int(epoch), int(position)]).generate_state(1)[0])
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int):
+    """Run a block with python/numpy/torch(CPU) seeded to ``seed``; restore the global states afterwards."""
+    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(th)
+
+
+class SeededDataset(Dataset):
+    """Wrap a map-style dataset so that item ``(index, seed)`` is produced under ``seeded_rng(seed)``.
+
+    Plain integer keys pass through unseeded (for evaluation loaders).
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, seed = key
+            with seeded_rng(seed):
+                return self.dataset[index]
+        return self.dataset[key]
+
+
+class ResumableSampler(Sampler):
+    """Shuffled, sharded, optionally repeated sampling that can restart at any position of an epoch.
+
+    Each epoch builds one global order: a permutation of the dataset (seeded by ``seed`` and the epoch),
+    each index repeated ``repeats`` times in a row (repeated augmentation, DeiT: 3), truncated to
+    ``epoch_samples`` (default: the dataset size, so an epoch costs the same with or without repeats, as
+    in DeiT) rounded down to a multiple of ``num_replicas``. Rank ``r`` takes positions ``r, r + W, ...``.
+    Unlike DeiT's RASampler this also repeats with a single process: the copies of an image then land
+    in the same batch instead of on different GPUs; either way the global batch holds the same samples.
+
+    Yields ``(index, sample_seed)`` pairs for :class:`SeededDataset`.
+
+    ``set_epoch(epoch, start)`` selects the epoch and skips the first ``start`` samples of its global order
+    (``start`` counts all ranks; it must be a multiple of ``num_replicas``), which is how a run resumes
+    mid-epoch.
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True,
+                 repeats: int = 1, epoch_samples: Optional[int] = None):
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty; nothing to sample")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, num_replicas={num_replicas})")
+        if repeats < 1:
+            raise ValueError(f"repeats={repeats} must be >= 1 (1 disables repeated augmentation)")
+        self.num_samples = num_samples
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.repeats = repeats
+        total = num_samples if epoch_samples is None else min(epoch_samples, num_samples * repeats)
+        self.total = (total // num_replicas) * num_replicas
+        if self.total == 0:
+            raise ValueError(f"{num_samples} samples cannot be split over {num_replicas} processes")
+        self.epoch = 0
+        self.start = 0
+
+    def __len__(self) -> int:
+        """Samples this rank yields in a full epoch."""
+        return self.total // self.num_replicas
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        if start % self.num_replicas or not 0 <= start <= self.total:
+            raise ValueError(f"start={start} must be a multiple of num_replicas={self.num_replicas} in [0, {self.total}]")
+        self.epoch = epoch
+        self.start = start
+
+    def global_order(self, epoch: int) -> torch.Tensor:
+        """The epoch's global index order (all ranks interleaved), before the ``start`` offset."""
+        if self.shuffle:
+            epoch_seed = int(np.random.SeedSequence([int(self.seed), int(epoch)]).generate_state(1)[0])
+            g = torch.Generator().manual_seed(epoch_seed)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        order = order.repeat_interleave(self.repeats)
+        if len(order) < self.total:  # only when epoch_samples asks for more than one pass
+            order = order.repeat(math.ceil(self.total / len(order)))
+        return order[: self.total]
+
+    def __iter__(self) -> Iterator[Tuple[int, int]]:
+        order = self.global_order(self.epoch)
+        for position in range(self.start + self.rank, self.total, self.num_replicas):
+            yield int(order[position]), sample_seed(self.seed, self.epoch, position)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "repeats": self.repeats,
+                "total": self.total, "num_samples": self.num_samples}
+

@@ -1,0 +1,59 @@
+"""Exponential moving average of model weights: timm's ``ModelEmaV3`` behind a small, fixed API.
+
+Why timm's: it already does the fused ``foreach`` lerp over parameters *and* buffers, float32 EMA of a
+low-precision model, and decay warmup; we only add the bits a trainer needs around it (build it from the
+bare model under DDP/compile wrappers, save/load its weights by name).
+
+    ema = ModelEma(model, decay=0.9999)       # a copy of the weights now (DiT starts the EMA as a copy)
+    ema.update(model)                         # after each optimizer step
+    ema.module                                # the averaged nn.Module, for evaluation / sampling
+    ema.state_dict() / ema.load_state_dict()  # the averaged weights only (same keys as the model)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from timm.utils import ModelEmaV3
+
+from common.checkpoint import bare_model
+
+
+class ModelEma(nn.Module):
+    """EMA of ``model``'s parameters and buffers, ``ema = decay * ema + (1 - decay) * model`` per update.
+
+    Args:
+        model: the trained model (DDP / ``torch.compile`` wrappers are looked through).
+        decay: the per-update decay (DeiT: 0.99996, DiT: 0.9999).
+        warmup: use timm's decay warmup ``1 - (1 + step)^(-2/3)`` capped at ``decay`` (pass ``step``).
+        device: keep the EMA on another device (e.g. ``"cpu"`` to save accelerator memory).
+    """
+
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = False, device: Optional[torch.device] = None):
+        super().__init__()
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay={decay} must lie in [0, 1)")
+        self.ema = ModelEmaV3(bare_model(model), decay=decay, use_warmup=warmup, device=device)
+        self.ema.module.requires_grad_(False)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ema.module
+
+    @property
+    def decay(self) -> float:
+        return self.ema.decay
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: Optional[int] = None) -> None:
+        self.ema.update(bare_model(model), step=step if self.ema.use_warmup else None)
+
+    def state_dict(self, *args, **kwargs):
+        return self.ema.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.ema.module.load_state_dict(state_dict, strict=strict)
+
+    def forward(self, *args, **kwargs):
+        return self.ema.module(*args, **kwargs)

@@ -1,0 +1,156 @@
+"""Training checkpoints that survive a kill at any moment, and resume exactly.
+
+A training checkpoint is one ``torch.save`` file ``<dir>/step_<step:09d>.pt`` holding a plain dict that the
+trainer fills, by convention::
+
+    {"model": state_dict, "ema": state_dict | None, "optimizer": ..., "scheduler": ..., "step": int,
+     "epoch": int, "sampler": sampler.state_dict(), "rng": [capture_rng_state() of rank 0, rank 1, ...],
+     "config": plain dict, ...}
+
+Everything in it is readable with ``torch.load(weights_only=True)`` (no pickled code), so
+``common.checkpoint.load_weights(model, path)`` can read the weights straight out of it (``key="ema"``
+for the EMA weights).
+
+* :class:`CheckpointManager` writes atomically (temporary file, fsync, ``os.replace``) so a kill leaves
+  either the previous complete checkpoint or the new complete one, never a truncated file under a final
+  name; :meth:`CheckpointManager.latest` skips unreadable files anyway (a disk that filled up), and
+  retention keeps the last ``keep_last`` checkpoints plus every ``keep_every``-th step.
+* :func:`capture_rng_state` / :func:`restore_rng_state`: python, numpy, torch CPU and all CUDA devices,
+  in a ``weights_only``-safe form.
+* :func:`resolve_resume`: ``resume`` setting (``None`` / ``"auto"`` / a path) -> the file to load or None.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import warnings
+from pathlib import Path
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
+
+
+# ----------------------------------------------------------------------------- RNG state
+
+def capture_rng_state() -> dict:
+    """The state of every global random generator, as tensors/ints/tuples (``weights_only``-loadable)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) != torch.cuda.device_count():
+            warnings.warn(f"checkpoint has CUDA RNG states for {len(cuda_states)} devices, this process sees "
+                          f"{torch.cuda.device_count()}; restoring the overlap")
+        for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+# ----------------------------------------------------------------------------- files
+
+def atomic_torch_save(obj, path: Union[str, os.PathLike]) -> Path:
+    """``torch.save`` to ``<path>.tmp``, flush to disk, then rename over ``path`` (atomic on POSIX)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_training_checkpoint(path: Union[str, os.PathLike]) -> dict:
+    """Read a training checkpoint without executing code (``weights_only=True``)."""
+    return torch.load(Path(path), map_location="cpu", weights_only=True)
+
+
+class CheckpointManager:
+    """Numbered training checkpoints in one directory, with atomic writes and retention.
+
+    Args:
+        directory: where ``step_<n>.pt`` files live.
+        keep_last: how many of the newest checkpoints to keep (>= 1).
+        keep_every: also keep every checkpoint whose step is a multiple of this (None: none extra).
+    """
+
+    def __init__(self, directory: Union[str, os.PathLike], keep_last: int = 2, keep_every: Optional[int] = None):
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1 so that resuming stays possible")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every={keep_every} must be a positive number of steps or null")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:09d}.pt"
+
+    def steps(self) -> List[int]:
+        """Steps of the complete-named checkpoint files, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [int(m.group(1)) for p in self.directory.iterdir() if (m := CKPT_PATTERN.match(p.name))]
+        return sorted(found)
+
+    def save(self, state: dict, step: int) -> Path:
+        path = atomic_torch_save(state, self.path_for(step))
+        self.prune()
+        return path
+
+    def prune(self) -> None:
+        steps = self.steps()
+        keep = set(steps[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                self.path_for(s).unlink(missing_ok=True)
+
+    def latest(self) -> Optional[Tuple[Path, dict]]:
+        """Newest checkpoint that loads completely, as ``(path, state)``; None if there is none."""
+        for step in reversed(self.steps()):
+            path = self.path_for(step)
+            try:
+                return path, load_training_checkpoint(path)
+            except Exception as err:  # a truncated or foreign file: fall back to the previous one
+                warnings.warn(f"skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
+        return None
+
+
+def resolve_resume(resume: Optional[str], manager: CheckpointManager) -> Optional[Tuple[Path, dict]]:
+    """Turn the ``resume`` setting into ``(path, state)`` or None.
+
+    ``None``/``"none"``: start fresh; ``"auto"``: newest complete checkpoint in the run, or fresh if none;
+    anything else: that file, which must exist.
+    """
+    if resume is None or str(resume).lower() in ("", "none", "false"):
+        return None
+    if str(resume).lower() == "auto":
+        return manager.latest()
+    path = Path(resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"resume={resume!r}: no such checkpoint file; use resume=auto to continue the "
+                                f"newest checkpoint in {manager.directory}, or resume=null to start fresh")
+    return path, load_training_checkpoint(path)

@@ -1,0 +1,87 @@
+"""YAML recipes -> validated dataclasses: inheritance, overrides, and the errors a user sees."""
+from dataclasses import dataclass, field
+from typing import Dict, List, Literal, Optional, Tuple
+
+import pytest
+import yaml
+
+from common.config import ConfigError, flatten, load_config, parse_overrides, save_config
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-3
+    batch_size: int = 64
+    betas: Tuple[float, float] = (0.9, 0.999)
+    clip_grad: Optional[float] = None
+
+
+@dataclass
+class Schema:
+    name: str = "x"
+    mode: Literal["a", "b"] = "a"
+    flag: bool = False
+    scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
+    kwargs: Dict[str, object] = field(default_factory=dict)
+    optim: Optim = field(default_factory=Optim)
+
+
+def write(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_base_chain_and_overrides(tmp_path):
+    write(tmp_path / "base.yaml", {"name": "base", "optim": {"lr": 5.0e-4, "batch_size": 1024}})
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "optim": {"batch_size": 256}})
+    cfg = load_config(Schema, child, ["optim.clip_grad=1", "flag=true", "scale=[0.5, 1]", "kwargs.depth=2"])
+    assert cfg.name == "base" and cfg.optim.lr == 5e-4 and cfg.optim.batch_size == 256
+    assert cfg.optim.clip_grad == 1.0 and isinstance(cfg.optim.clip_grad, float)
+    assert cfg.flag is True and cfg.scale == [0.5, 1.0] and cfg.kwargs == {"depth": 2}
+    assert cfg.optim.betas == (0.9, 0.999)
+
+
+def test_yaml11_exponent_string_is_a_float(tmp_path):
+    # PyYAML reads `5e-4` (no dot) as a string; a float field must still accept it.
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: 5e-4\n")
+    assert load_config(Schema, tmp_path / "c.yaml").optim.lr == 5e-4
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(Schema, write(tmp_path / "c.yaml", {"optim": {"lrr": 1.0}}))
+    msg = str(err.value)
+    assert "'lrr'" in msg and "did you mean 'lr'" in msg and "lr, batch_size, betas, clip_grad" in msg
+    with pytest.raises(ConfigError, match="valid keys are: name, mode, flag"):
+        load_config(Schema, None, ["nmae=y"])
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("optim.batch_size=1.5", "must be an integer"),
+    ("flag=yes please", "true or false"),
+    ("mode=c", "choose one of 'a', 'b'"),
+    ("optim.betas=[0.9]", "must have 2 entries"),
+    ("optim.lr=fast", "must be a number"),
+    ("optim=3", "is a section"),
+    ("name", "key=value"),
+])
+def test_type_errors(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(Schema, None, [override])
+
+
+def test_missing_file_and_cycle(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Schema, tmp_path / "nope.yaml")
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(Schema, tmp_path / "a.yaml")
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(Schema, None, ["optim.lr=0.01", "kwargs.depth=3"])
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(Schema, path) == cfg
+    assert flatten({"optim": {"lr": 1}, "a": 2}) == {"optim.lr": 1, "a": 2}
+    assert parse_overrides(["a.b=null"]) == {"a": {"b": None}}
