@@ -1,0 +1,227 @@
+"""Encode an ImageFolder into VAE latent moments for DiT training.
+
+    python -m diffusion.extract_latents --data-path IMAGENET/train --vae PATH_OR_ID --out DIR
+    accelerate launch -m diffusion.extract_latents --data-path ... --out DIR     # several GPUs
+
+Each image is ADM-center-cropped, encoded with its horizontal flip by a diffusers ``AutoencoderKL``,
+and the posterior mean and log-variance of both views are written to shards of ``--shard-size``
+images (layout in :mod:`diffusion.latents`). Shards already on disk are skipped, so re-running the
+same command resumes an interrupted run. Unreadable images are reported by name and skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Subset
+from tqdm import tqdm
+
+from diffusion.latents import (
+    DEFAULT_VAE,
+    FORMAT,
+    METADATA_FILE,
+    center_crop_arr,
+    encode_moments,
+    image_to_tensor,
+    load_vae,
+    read_shard_header,
+    shard_name,
+    shard_settings,
+    write_shard,
+)
+
+class ExtractionError(RuntimeError):
+    """The output directory does not fit this run (foreign shards, missing shards)."""
+
+
+STORE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+class ImageFiles(Dataset):
+    """The sorted file list of an ImageFolder; an item is ``(image or None, label, index, path, error)``
+    so that one unreadable file costs one skipped image, not the run."""
+
+    def __init__(self, root: str, image_size: int):
+        from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"--data-path {root} is not a directory")
+        try:
+            self.classes, class_to_idx = find_classes(str(self.root))
+            self.samples = make_dataset(str(self.root), class_to_idx, extensions=IMG_EXTENSIONS)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"{root} is not an ImageFolder ({err}); it must hold one subfolder per class with the images "
+                "inside, e.g. IMAGENET/train/n01440764/*.JPEG"
+            ) from err
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        name = os.path.relpath(path, self.root)
+        try:
+            with Image.open(path) as image:
+                image = image.convert("RGB")  # decodes now, so a truncated file fails here
+            return image_to_tensor(center_crop_arr(image, self.image_size)), label, i, name, None
+        except Exception as err:  # noqa: BLE001 -- PIL raises many types for broken files
+            return None, label, i, name, f"{type(err).__name__}: {err}"
+
+
+def collate(items):
+    good = [it for it in items if it[0] is not None]
+    images = torch.stack([it[0] for it in good]) if good else None
+    return images, [it[1] for it in good], [it[2] for it in good], [(it[3], it[4]) for it in items if it[0] is None]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m diffusion.extract_latents",
+        description="Encode an ImageFolder into VAE latent moments (image and horizontal flip) for DiT training. "
+        "Resumable: re-run the same command after an interruption. Several GPUs: accelerate launch -m "
+        "diffusion.extract_latents ...",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--data-path", required=True, help="ImageFolder root (one subfolder per class), e.g. IMAGENET/train")
+    p.add_argument("--out", required=True, help="output directory for the shards and metadata.json")
+    p.add_argument("--vae", default=DEFAULT_VAE, help="local AutoencoderKL directory, or a Hugging Face id in your cache")
+    p.add_argument("--allow-download", action="store_true", help="let diffusers download the VAE if it is not cached")
+    p.add_argument("--image-size", type=int, default=256, help="ADM center-crop resolution")
+    p.add_argument("--batch-size", type=int, default=64, help="images per VAE forward (x2 with the flips), per process")
+    p.add_argument("--shard-size", type=int, default=10000, help="images per shard (the unit of resume)")
+    p.add_argument("--num-workers", type=int, default=8, help="image-decoding worker processes per process")
+    p.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="float16", help="storage precision of the moments")
+    args = p.parse_args(argv)
+    for name in ("image_size", "batch_size", "shard_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.image_size % 8:
+        p.error("--image-size must be a multiple of 8 (the SD VAE downsamples by 8)")
+    return args
+
+
+def finished_shards(out: Path, shards, settings: dict):
+    """The shards of ``shards`` already written with the same settings; refuses foreign shards."""
+    done = set()
+    for k in shards:
+        header = read_shard_header(out / shard_name(k))
+        if header is None:
+            continue
+        if header["settings"] != settings:
+            diff = {key: (header["settings"].get(key), value) for key, value in settings.items() if header["settings"].get(key) != value}
+            raise ExtractionError(
+                f"{out / shard_name(k)} was written with other settings (stored vs now: {diff}); "
+                "re-run with the same options or choose a new --out"
+            )
+        done.add(k)
+    return done
+
+
+def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_factor: float, latent_shape) -> dict:
+    shards, skipped = [], []
+    for k in range(num_shards):
+        header = read_shard_header(out / shard_name(k))
+        if header is None:
+            raise ExtractionError(f"{out / shard_name(k)} is missing after extraction; re-run the command to finish it")
+        shards.append({"file": shard_name(k), "count": header["count"]})
+        skipped += header["skipped"]
+    meta = {
+        "format": FORMAT,
+        "vae": json.loads(settings["vae"]),
+        "scaling_factor": scaling_factor,
+        "image_size": json.loads(settings["image_size"]),
+        "latent_shape": list(latent_shape),
+        "dtype": json.loads(settings["dtype"]),
+        "views": ["image", "hflip"],
+        "classes": list(classes),
+        "count": sum(s["count"] for s in shards),
+        "num_listed": json.loads(settings["num_listed"]),
+        "shards": shards,
+        "skipped": skipped,
+    }
+    tmp = out / (METADATA_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / METADATA_FILE)
+    return meta
+
+
+def extract(args) -> dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    vae = load_vae(args.vae, allow_download=args.allow_download).to(accelerator.device).eval()
+    files = ImageFiles(args.data_path, args.image_size)
+    if len(files) == 0:
+        raise FileNotFoundError(f"no images found under {args.data_path}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = shard_settings(
+        vae=args.vae, image_size=args.image_size, shard_size=args.shard_size, dtype=args.dtype,
+        num_listed=len(files), classes=files.classes,
+    )
+    num_shards = math.ceil(len(files) / args.shard_size)
+    mine = list(range(rank, num_shards, world))
+    todo = [k for k in mine if k not in finished_shards(out, mine, settings)]
+    accelerator.print(
+        f"{len(files)} images in {len(files.classes)} classes -> {num_shards} shards of {args.shard_size} "
+        f"over {world} process(es); process 0 has {len(mine) - len(todo)} of its {len(mine)} shards done already"
+    )
+
+    scaling_factor = float(getattr(vae.config, "scaling_factor", 0.18215))
+    latent_hw = args.image_size // 2 ** (len(vae.config.block_out_channels) - 1)
+    latent_shape = (vae.config.latent_channels, latent_hw, latent_hw)
+    store = STORE_DTYPES[args.dtype]
+    bar = tqdm(
+        total=sum(min(args.shard_size, len(files) - k * args.shard_size) for k in todo),
+        desc=f"encode[{rank}]", unit="img", disable=not accelerator.is_local_main_process, dynamic_ncols=True,
+    )
+    for k in todo:
+        subset = Subset(files, range(k * args.shard_size, min((k + 1) * args.shard_size, len(files))))
+        loader = DataLoader(subset, batch_size=args.batch_size, num_workers=args.num_workers, collate_fn=collate)
+        means, logvars, labels, indices, skipped = [], [], [], [], []
+        for images, batch_labels, batch_indices, bad in loader:
+            for name, err in bad:
+                tqdm.write(f"skipping unreadable image {name}: {err}", file=sys.stderr)
+                skipped.append(name)
+            if images is not None:
+                mean, logvar = encode_moments(vae, images.to(accelerator.device))
+                means.append(mean.to(store).cpu())
+                logvars.append(logvar.to(store).cpu())
+                labels += batch_labels
+                indices += batch_indices
+            bar.update(len(batch_indices) + len(bad))
+        empty = torch.zeros(0, 2, *latent_shape, dtype=store)
+        write_shard(
+            out / shard_name(k), torch.cat(means) if means else empty, torch.cat(logvars) if logvars else empty,
+            labels, indices, skipped, settings,
+        )
+    bar.close()
+    accelerator.wait_for_everyone()
+    meta = None
+    if accelerator.is_main_process:
+        meta = write_metadata(out, num_shards, settings, files.classes, scaling_factor, latent_shape)
+        print(f"wrote {meta['count']} latents ({len(meta['skipped'])} unreadable images skipped) to {out}")
+    accelerator.wait_for_everyone()
+    return meta
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return extract(args)
+    except (FileNotFoundError, ExtractionError) as err:
+        raise SystemExit(f"error: {err}") from err
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""VAE latents for DiT: ADM center crop, the Stable Diffusion VAE, sharded posterior moments.
+
+An extraction run (``python -m diffusion.extract_latents``) stores, for every image and its
+horizontal flip, the VAE posterior's mean and log-variance (not one sample), so training can draw a
+fresh latent ``scale * (mean + exp(logvar / 2) * eps)`` and a random flip at every step instead of
+reusing one frozen sample per image.
+
+On disk (``OUT/``): ``shard_00000.safetensors`` ... with tensors ``mean`` and ``logvar``
+(N, 2 views, C, h, w; view 1 is the flipped image), ``label`` (N,) and ``index`` (N,, position in the
+sorted file list), plus ``metadata.json`` (VAE, scaling factor, resolution, classes, count, shards,
+skipped files). Shard ``k`` holds the images listed at positions ``[k*S, (k+1)*S)``, minus unreadable
+files, so a shard can be recomputed alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+from bisect import bisect_right
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
+METADATA_FILE = "metadata.json"
+FORMAT = "siamesenorm-latents-v1"
+
+
+# ------------------------------------------------------------------------------------------- images
+def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
+    """ADM's crop: halve with a box filter while the short side is >= 2x the target, resize the
+    short side to ``image_size`` with bicubic, then take the central square."""
+    while min(image.size) >= 2 * image_size:
+        image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
+    scale = image_size / min(image.size)
+    image = image.resize(tuple(round(s * scale) for s in image.size), resample=Image.BICUBIC)
+    left = (image.size[0] - image_size) // 2
+    top = (image.size[1] - image_size) // 2
+    return image.crop((left, top, left + image_size, top + image_size))
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> float tensor (3, H, W) in [-1, 1]."""
+    arr = np.asarray(image.convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0
+
+
+# ---------------------------------------------------------------------------------------------- VAE
+class VAENotFoundError(FileNotFoundError):
+    """The VAE is neither a local directory nor in the Hugging Face cache."""
+
+
+def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False):
+    """diffusers ``AutoencoderKL`` from a local directory (a VAE folder, or a pipeline folder with a
+    ``vae/`` subfolder) or from the Hugging Face cache; downloads only when ``allow_download``."""
+    from diffusers import AutoencoderKL
+
+    path = Path(path_or_id).expanduser()
+    try:
+        if path.is_dir():
+            subfolder = "vae" if not (path / "config.json").exists() and (path / "vae" / "config.json").exists() else None
+            return AutoencoderKL.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+        if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") > 1:  # a path, not a hub id
+            raise OSError(f"directory {path} does not exist")
+        return AutoencoderKL.from_pretrained(path_or_id, local_files_only=not allow_download)
+    except (OSError, ValueError) as err:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        where = f"directory {path}" if path.is_dir() else f"neither a local directory nor in the Hugging Face cache {HF_HUB_CACHE}"
+        raise VAENotFoundError(
+            f"cannot load the VAE {path_or_id!r}: {where} ({str(err).splitlines()[0]}). Provide it with --vae DIR, a "
+            "directory holding config.json and diffusion_pytorch_model.safetensors (on a machine with internet: "
+            f"`huggingface-cli download {DEFAULT_VAE} --local-dir sd-vae-ft-ema`, then copy the folder here), or "
+            "place it in the Hugging Face cache (HF_HOME) and pass its id; --allow-download fetches it when this "
+            "machine has internet."
+        ) from err
+
+
+@torch.no_grad()
+def encode_moments(vae, images: torch.Tensor):
+    """Posterior mean and log-variance of ``images`` (B, 3, H, W in [-1, 1]) and of their horizontal
+    flips, each (B, 2, C, h, w) with view 1 the flip."""
+    both = torch.cat([images, images.flip(-1)])
+    dist = vae.encode(both).latent_dist
+    b = images.shape[0]
+    stack = lambda t: torch.stack([t[:b], t[b:]], dim=1)  # noqa: E731
+    return stack(dist.mean), stack(dist.logvar)
+
+
+def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor, noise: torch.Tensor, scale: float):
+    """A fresh scaled latent per sample: view ``flip`` (bool, B) of the stored moments (B, 2, C, h, w),
+    ``scale * (mean + exp(logvar / 2) * noise)``."""
+    rows = torch.arange(mean.shape[0], device=mean.device)
+    view = flip.long().to(mean.device)
+    m, lv = mean[rows, view].float(), logvar[rows, view].float()
+    return scale * (m + torch.exp(0.5 * lv) * noise)
+
+
+# ------------------------------------------------------------------------------------------- shards
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.safetensors"
+
+
+def read_metadata(root: Union[str, os.PathLike]) -> dict:
+    path = Path(root) / METADATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: {root} is not a finished latent extraction. Run "
+            "`python -m diffusion.extract_latents --data-path IMAGES --out DIR` (it resumes where it stopped)."
+        )
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}; re-extract the latents")
+    return meta
+
+
+class LatentDataset(Dataset):
+    """Stored latent moments, one item per image: ``(mean, logvar, label)`` with mean/logvar
+    (2 views, C, h, w) float32. Draw the training latent with :func:`sample_latents`.
+
+    Shards are memory-mapped (safetensors) and read one row at a time, so the dataset does not need
+    to fit in memory.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike]):
+        from safetensors import safe_open
+
+        self.root = Path(root)
+        self.metadata = read_metadata(root)
+        self.scaling_factor = float(self.metadata["scaling_factor"])
+        self.classes = list(self.metadata["classes"])
+        self.files = [self.root / s["file"] for s in self.metadata["shards"] if s["count"] > 0]
+        counts, labels = [], []
+        for f in self.files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} listed in {self.root / METADATA_FILE} is missing; re-run the extraction")
+            with safe_open(str(f), framework="pt") as h:
+                labels.append(h.get_tensor("label"))
+            counts.append(len(labels[-1]))
+        self.labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
+        self.offsets = np.cumsum([0] + counts).tolist()
+        self._handles: dict = {}
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_handles"] = {}  # mmaps are reopened in each worker
+        return state
+
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[shard] = safe_open(str(self.files[shard]), framework="pt")
+        return self._handles[shard]
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for {len(self)} latents")
+        shard = bisect_right(self.offsets, i) - 1
+        row = i - self.offsets[shard]
+        h = self._handle(shard)
+        mean = h.get_slice("mean")[row : row + 1][0].float()
+        logvar = h.get_slice("logvar")[row : row + 1][0].float()
+        return mean, logvar, int(self.labels[i])
+
+
+def shard_settings(**settings) -> dict:
+    """Extraction settings stored in every shard; a resumed run must use the same ones."""
+    return {k: json.dumps(v) for k, v in sorted(settings.items())}
+
+
+def write_shard(path: Path, mean, logvar, labels, indices, skipped: Sequence[str], settings: dict) -> None:
+    """Write one shard atomically (temporary file, then rename), so a killed run leaves no half shard."""
+    from safetensors.torch import save_file
+
+    c, h, w = mean.shape[-3:]
+    tensors = {
+        "mean": mean.contiguous() if len(mean) else torch.zeros(0, 2, c, h, w, dtype=mean.dtype),
+        "logvar": logvar.contiguous() if len(logvar) else torch.zeros(0, 2, c, h, w, dtype=logvar.dtype),
+        "label": torch.as_tensor(labels, dtype=torch.long),
+        "index": torch.as_tensor(indices, dtype=torch.long),
+    }
+    meta = dict(settings, skipped=json.dumps(list(skipped)))
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def read_shard_header(path: Path) -> Optional[dict]:
+    """Settings, count and skipped files of a finished shard; ``None`` if absent or unreadable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            meta = h.metadata() or {}
+            count = h.get_slice("label").get_shape()[0]
+    except Exception:  # noqa: BLE001 -- any unreadable shard is simply recomputed
+        return None
+    skipped = json.loads(meta.pop("skipped", "[]"))
+    return {"settings": meta, "count": count, "skipped": skipped}

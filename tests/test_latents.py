@@ -1,0 +1,120 @@
+"""Latent extraction on a generated JPEG ImageFolder with a tiny AutoencoderKL saved by the test."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL
+from PIL import Image
+from safetensors.torch import load_file
+
+from diffusion.extract_latents import main as extract_main
+from diffusion.latents import (
+    LatentDataset,
+    VAENotFoundError,
+    center_crop_arr,
+    encode_moments,
+    image_to_tensor,
+    load_vae,
+    sample_latents,
+    shard_name,
+)
+
+SIZES = [(40, 50), (70, 33), (32, 32), (97, 64)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("latents")
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, sample_size=32,
+    )
+    vae.save_pretrained(root / "vae")
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (root / "images" / c).mkdir(parents=True)
+        for i, (w, h) in enumerate(SIZES):
+            Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(root / "images" / c / f"{i}.jpg")
+    (root / "images" / "dog" / "2_broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    return root
+
+
+def run(setup, out, *extra):
+    return extract_main([
+        "--data-path", str(setup / "images"), "--vae", str(setup / "vae"), "--out", str(out), "--image-size", "32",
+        "--shard-size", "3", "--batch-size", "2", "--num-workers", "0", *extra,
+    ])
+
+
+def test_extraction_round_trips_moments_and_skips_corrupt_image(setup, tmp_path, capsys):
+    meta = run(setup, tmp_path / "lat", "--dtype", "float32")
+    err = capsys.readouterr().err
+    assert "dog/2_broken.jpg" in err and "skipping unreadable image" in err
+    assert meta["skipped"] == ["dog/2_broken.jpg"]
+    assert meta["count"] == 8 and meta["num_listed"] == 9 and meta["classes"] == ["cat", "dog"]
+    assert meta["scaling_factor"] == pytest.approx(0.18215) and meta["latent_shape"] == [4, 16, 16]
+    assert json.loads((tmp_path / "lat" / "metadata.json").read_text()) == meta
+
+    ds = LatentDataset(tmp_path / "lat")
+    assert len(ds) == 8 and ds.labels.tolist() == [0] * 4 + [1] * 4
+    vae = load_vae(str(setup / "vae"))
+    # Item 7 is dog/3.jpg: dog/2_broken.jpg, listed between dog/2.jpg and dog/3.jpg, was skipped.
+    for item, path in ((0, "cat/0.jpg"), (7, "dog/3.jpg")):
+        image = Image.open(setup / "images" / path)
+        x = image_to_tensor(center_crop_arr(image, 32))[None]
+        want_mean, want_logvar = encode_moments(vae, x)
+        mean, logvar, label = ds[item]
+        torch.testing.assert_close(mean, want_mean[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logvar, want_logvar[0], atol=1e-5, rtol=1e-5)
+        assert label == (path.startswith("dog"))
+    # View 1 is the encoding of the mirrored image.
+    flipped = vae.encode(x.flip(-1)).latent_dist.mean
+    torch.testing.assert_close(mean[1], flipped[0], atol=1e-5, rtol=1e-5)
+
+
+def test_shard_resume_recomputes_only_missing_shards(setup, tmp_path):
+    out = tmp_path / "lat"
+    run(setup, out)
+    files = [out / shard_name(k) for k in range(3)]
+    before = {f: (f.stat().st_mtime_ns, load_file(f)) for f in files}
+    files[1].unlink()
+    (out / "metadata.json").unlink()
+    run(setup, out)
+    assert files[0].stat().st_mtime_ns == before[files[0]][0] and files[2].stat().st_mtime_ns == before[files[2]][0]
+    recomputed = load_file(files[1])
+    for key, value in before[files[1]][1].items():
+        assert torch.equal(recomputed[key], value), key  # deterministic recomputation
+    assert LatentDataset(out).metadata["count"] == 8
+    with pytest.raises(SystemExit, match="other settings"):
+        run(setup, out, "--dtype", "float32")
+
+
+def test_missing_vae_and_bad_folder_errors(setup, tmp_path):
+    with pytest.raises(VAENotFoundError, match="--vae DIR"):
+        load_vae(str(tmp_path / "no-such-vae"))
+    with pytest.raises(VAENotFoundError, match="Hugging Face cache"):
+        load_vae("nobody/no-such-vae")
+    with pytest.raises(SystemExit, match="not an ImageFolder"):
+        extract_main(["--data-path", str(setup / "images" / "cat"), "--vae", str(setup / "vae"), "--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="extract_latents"):
+        LatentDataset(tmp_path)
+
+
+def test_center_crop_and_latent_sampling():
+    wide = Image.fromarray(np.tile(np.arange(200, dtype=np.uint8)[None, :, None], (100, 1, 3)))
+    out = center_crop_arr(wide, 32)
+    assert out.size == (32, 32)
+    row = np.asarray(out)[16, :, 0].astype(int)
+    assert abs(row.mean() - 100) < 2 and np.all(np.diff(row) >= 0)  # central columns, order kept
+
+    g = torch.Generator().manual_seed(0)
+    mean, logvar = torch.randn(3, 2, 4, 2, 2, generator=g), torch.randn(3, 2, 4, 2, 2, generator=g)
+    noise = torch.randn(3, 4, 2, 2, generator=g)
+    flip = torch.tensor([False, True, True])
+    z = sample_latents(mean, logvar, flip, noise, 0.5)
+    for i in range(3):
+        v = int(flip[i])
+        torch.testing.assert_close(z[i], 0.5 * (mean[i, v] + torch.exp(0.5 * logvar[i, v]) * noise[i]))
