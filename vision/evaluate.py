@@ -1,0 +1,150 @@
+"""Top-1 / Top-5 / loss of a DeiT (ours or any timm model) on an ImageFolder val set or Fashion-MNIST test.
+
+Examples::
+
+    # a run of vision.train (reads model + data sections of its config.yaml, loads model.safetensors)
+    python -m vision.evaluate --config runs/deit_tiny_siamese/config.yaml \\
+        checkpoint=runs/deit_tiny_siamese/model.safetensors
+
+    # the pipeline sanity check: timm's public DeiT-T weights give 72.2 Top-1 on ImageNet val
+    python -m vision.evaluate model.name=deit_tiny_patch16_224 model.pretrained=true data.path=/data/imagenet
+
+    # several GPUs (the val set is sharded, results gathered exactly once per image)
+    accelerate launch -m vision.evaluate --config ... checkpoint=...
+
+Results are printed and written as JSON (``output=``, default next to the checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Literal, Optional
+
+import timm
+import torch
+import torch.nn.functional as F
+
+import vision  # noqa: F401  (registers our DeiT variants with timm)
+from common.checkpoint import load_weights
+from common.config import ConfigError, deep_merge, from_dict, parse_overrides, read_yaml
+from vision.data import DataConfig, build_dataset, build_eval_loader, build_transform
+
+
+@dataclass
+class ModelConfig:
+    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
+
+    name: str = "deit_tiny_siamese_patch16_224"
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
+    drop_path: float = 0.0
+    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
+
+
+def build_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
+    """Create the timm model a config names; unknown names get a list of close ones."""
+    if not timm.is_model(model.name):
+        close = timm.list_models(f"*{model.name.split('_')[0]}*")[:12]
+        raise ValueError(f"unknown model {model.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. "
+                         "Ours: deit_{tiny,small,base}_{siamese,post,mixln}_patch16_224 (Pre-Norm: timm's deit_*_patch16_224)")
+    kwargs = dict(model.kwargs)
+    kwargs.setdefault("img_size", data.input_size)
+    return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
+                             drop_path_rate=model.drop_path, **kwargs)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
+    """Top-1, Top-5 (percent), mean cross-entropy and image count over ``loader``.
+
+    ``loader`` should come from ``accelerator.prepare`` so that each process sees a shard; the
+    per-image results are gathered with ``gather_for_metrics``, which drops the padding duplicates.
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+    for images, targets in loader:
+        images, targets = images.to(accelerator.device), targets.to(accelerator.device)
+        with accelerator.autocast():
+            logits = model(images).float()
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        per_image = torch.stack([
+            F.cross_entropy(logits, targets, reduction="none"),
+            (top[:, 0] == targets).float(),
+            (top == targets[:, None]).any(dim=1).float(),
+        ], dim=1)
+        per_image = accelerator.gather_for_metrics(per_image)
+        totals += torch.cat([per_image.sum(0).double(), per_image.new_tensor([len(per_image)]).double()])
+    model.train(was_training)
+    loss, top1, top5, n = totals.tolist()
+    if n == 0:
+        raise ValueError("the evaluation set is empty")
+    return {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n)}
+
+
+@dataclass
+class EvalConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(dataset="fashion_mnist"))
+    checkpoint: Optional[str] = None  # .safetensors / .pt weights, or a training checkpoint step_*.pt
+    weights: Literal["model", "ema"] = "model"  # which weights of a training checkpoint
+    batch_size: int = 256
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    output: Optional[str] = None  # JSON results file (default: <checkpoint>.eval.json, or print only)
+
+
+def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
+    """A config file (eval keys, or a training config whose ``model``/``data`` sections are used) + overrides."""
+    values = read_yaml(path) if path else {}
+    if "optim" in values or "train" in values or "augment" in values:
+        values = {k: values[k] for k in ("model", "data") if k in values}
+    values = deep_merge(values, parse_overrides(overrides))
+    return from_dict(EvalConfig, values)
+
+
+def run(cfg: EvalConfig) -> dict:
+    from common.distributed import build_accelerator
+
+    accelerator = build_accelerator(cfg.precision, run_dir=None, tensorboard=False)
+    model = build_model(cfg.model, cfg.data)
+    if cfg.checkpoint:
+        load_weights(model, cfg.checkpoint, key=cfg.weights if cfg.checkpoint.endswith(".pt") and cfg.weights == "ema" else None)
+    dataset = build_dataset(cfg.data, "val", transform=build_transform(cfg.data, training=False))
+    loader = build_eval_loader(dataset, cfg.batch_size, cfg.data.num_workers)
+    model, loader = accelerator.prepare(model, loader)
+    metrics = evaluate(model, loader, accelerator)
+    metrics.update(model=cfg.model.name, checkpoint=cfg.checkpoint, weights=cfg.weights)
+    output = cfg.output or (str(Path(cfg.checkpoint).with_suffix(".eval.json")) if cfg.checkpoint else None)
+    if accelerator.is_main_process:
+        print(f"{cfg.model.name}: top1 {metrics['top1']:.2f}  top5 {metrics['top5']:.2f}  "
+              f"loss {metrics['loss']:.4f}  ({metrics['images']} images)")
+        if output:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+            Path(output).write_text(json.dumps(metrics, indent=2))
+            print(f"wrote {output}")
+    return metrics
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m vision.evaluate",
+        description="Evaluate a classifier (Top-1/Top-5/loss). Settings are key=value pairs: "
+                    "model.name, model.kwargs.<k>, model.pretrained, data.dataset (imagefolder|fashion_mnist), "
+                    "data.path, data.val_split, data.num_classes, data.input_size, data.crop_pct, "
+                    "data.interpolation, checkpoint, weights (model|ema), batch_size, precision, output.",
+        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML with eval keys, or a training run's config.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. checkpoint=runs/x/model.safetensors")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_eval_config(args.config, args.overrides)
+    except ConfigError as err:
+        parser.exit(2, f"error: {err}\n")
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
