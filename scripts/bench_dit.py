@@ -1,0 +1,93 @@
+"""Train-step benchmark of Pre-Norm vs SiameseNorm (and Post-Norm) DiT.
+
+Times forward + backward + AdamW on the DiT noise-prediction objective (MSE on epsilon from random
+latents; the diffusion schedule costs nothing next to the transformer) for each topology, with the
+variants interleaved step by step (timing loop shared with ``scripts.bench_block``), and prints the
+median step time and its ratio to the first topology, the activation memory autograd saves (any
+device) and its ratio, peak GPU memory (CUDA only) and parameter counts.
+
+    python -m scripts.bench_dit --models DiT-S/2,DiT-B/2 --batch-size 8                 # CPU, 32x32 latents
+    python -m scripts.bench_dit --models DiT-B/2,DiT-L/4 --device cuda --dtype bfloat16 --batch-size 256
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from diffusion.models import DiT_models
+from scripts.bench_block import print_report, time_train_steps
+
+
+def dit_batch(batch_size: int, latent_size: int, in_channels: int, num_classes: int, seed: int = 0) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch_size, in_channels, latent_size, latent_size, generator=gen),
+            torch.randint(0, 1000, (batch_size,), generator=gen),
+            torch.randint(0, num_classes, (batch_size,), generator=gen),
+            torch.randn(batch_size, in_channels, latent_size, latent_size, generator=gen))
+
+
+def dit_loss(model, batch) -> torch.Tensor:
+    """MSE between the predicted and the true noise (the epsilon half of a learned-sigma output)."""
+    x, t, y, noise = batch
+    return F.mse_loss(model(x, t, y)[:, : x.shape[1]].float(), noise)
+
+
+def main(argv: Sequence[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="DiT-S/2,DiT-B/2",
+                        help=f"comma-separated DiT names; one of {', '.join(DiT_models)}")
+    parser.add_argument("--topologies", default="pre,siamese,post", help="comma-separated; the first is the baseline")
+    parser.add_argument("--latent-size", type=int, default=32, help="latent height/width (32 = 256px images)")
+    parser.add_argument("--in-channels", type=int, default=4)
+    parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="autocast dtype (float32: no autocast, TF32 matmuls on CUDA as the DiT recipe)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each model first")
+    parser.add_argument("--grad-checkpointing", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in DiT_models]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; valid names are {', '.join(DiT_models)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    topologies = args.topologies.split(",")
+    batch = dit_batch(args.batch_size, args.latent_size, args.in_channels, args.num_classes)
+
+    def builder(name, topology):
+        def build():
+            torch.manual_seed(0)
+            model = DiT_models[name](topology=topology, input_size=args.latent_size,
+                                     in_channels=args.in_channels, num_classes=args.num_classes)
+            model.set_grad_checkpointing(args.grad_checkpointing)
+            return model
+        return build
+
+    all_results = {}
+    for name in names:
+        results = time_train_steps(
+            {t: builder(name, t) for t in topologies}, lambda: batch, dit_loss,
+            steps=args.steps, warmup=args.warmup, device=args.device,
+            dtype=getattr(torch, args.dtype), compile=args.compile,
+        )
+        print_report(results, baseline=topologies[0], title=(
+            f"{name} {args.latent_size}x{args.latent_size} latents, batch {args.batch_size}, {args.dtype}, "
+            f"{args.device}, {torch.get_num_threads()} threads, median of {args.steps} train steps (fwd+bwd+AdamW)"))
+        all_results[name] = results
+    return all_results
+
+
+if __name__ == "__main__":
+    main()
