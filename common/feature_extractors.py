@@ -1,0 +1,222 @@
+"""Feature extractors for FID/IS/KID, all reached through torch-fidelity's registry.
+
+* ``inception-v3-compat``: torch-fidelity's port of the TensorFlow Inception-v3 that ADM's evaluator (and so
+  every published DiT FID) uses. Its weights come from a file the user gives, or from torch-fidelity's download
+  cache (``<torch hub dir>/checkpoints/weights-inception-2015-12-05-6726825d.pth``). Nothing is downloaded here:
+  offline is the normal case, and a missing file is an error that names the file and where to put it.
+* ``fmnist-cnn``: a small CNN classifier trained on Fashion-MNIST by ``python -m scripts.train_fmnist_classifier``
+  (weights in ``~/.cache/siamesenorm/fmnist_cnn.safetensors``, never in git). Inception features of 28x28 grey
+  images mean little; this gives CPU-scale experiments a meaningful Frechet distance. Registered in
+  torch-fidelity under its name when this module is imported, so ``torch_fidelity.calculate_metrics(
+  feature_extractor="fmnist-cnn", ...)`` works too.
+
+    extractor = build_feature_extractor("inception-v3-compat", ["2048"], weights="inception.pth", device="cuda")
+    features = extractor(images_uint8_nchw)          # tuple, one tensor per requested layer
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_fidelity.feature_extractor_base import FeatureExtractorBase
+from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
+from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
+
+from common.checkpoint import CheckpointError, load_weights
+
+INCEPTION = "inception-v3-compat"
+FMNIST = "fmnist-cnn"
+INCEPTION_WEIGHTS_FILE = URL_INCEPTION_V3.rsplit("/", 1)[-1]
+FMNIST_WEIGHTS_FILE = "fmnist_cnn.safetensors"
+CACHE_ENV = "SIAMESENORM_CACHE"
+
+PathLike = Union[str, os.PathLike]
+
+
+class FeatureExtractorError(ValueError):
+    """A feature extractor that cannot be built: unknown name, missing or wrong weights file."""
+
+
+def cache_dir() -> Path:
+    """The project's cache for derived weights: ``$SIAMESENORM_CACHE`` or ``~/.cache/siamesenorm``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "siamesenorm").expanduser()
+
+
+def inception_cache_path() -> Path:
+    """Where torch-fidelity's ``load_state_dict_from_url`` looks for (and would download) the Inception weights."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / INCEPTION_WEIGHTS_FILE
+
+
+def fmnist_weights_path() -> Path:
+    return cache_dir() / FMNIST_WEIGHTS_FILE
+
+
+def _check_inception_file(path: Path) -> None:
+    """Read the file as plain tensors first: a clear error for a wrong file, and no pickle code runs from it
+    before torch-fidelity's own (``weights_only=False``) load."""
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure means "not a plain state dict file"
+        raise FeatureExtractorError(
+            f"{path} is not a PyTorch state dict file that torch.load(weights_only=True) can read "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Use torch-fidelity's "
+            f"{INCEPTION_WEIGHTS_FILE} from {URL_INCEPTION_V3}."
+        ) from err
+    fc = state_dict.get("fc.weight") if isinstance(state_dict, dict) else None
+    if fc is None or tuple(fc.shape) != (1008, 2048):
+        raise FeatureExtractorError(
+            f"{path} is not torch-fidelity's Inception-v3 (expected a state dict with fc.weight of shape "
+            f"(1008, 2048)). Use {INCEPTION_WEIGHTS_FILE} from {URL_INCEPTION_V3}."
+        )
+
+
+def resolve_weights(name: str, weights: Optional[PathLike] = None) -> Optional[Path]:
+    """The weights file for extractor ``name``: ``weights`` if given, else its default location; must exist."""
+    if weights is not None:
+        path = Path(weights).expanduser()
+        if not path.is_file():
+            raise FeatureExtractorError(f"feature extractor weights file {str(path)!r} does not exist")
+    elif name == INCEPTION:
+        path = inception_cache_path()
+        if not path.is_file():
+            raise FeatureExtractorError(
+                f"Inception-v3 weights not found at {path}. This machine does not download them. On a machine "
+                f"with internet, fetch {URL_INCEPTION_V3} and either copy it to {path} (torch-fidelity's cache; "
+                f"the directory follows $TORCH_HOME) or pass its path with --extractor-weights / weights=."
+            )
+    elif name == FMNIST:
+        path = fmnist_weights_path()
+        if not path.is_file():
+            raise FeatureExtractorError(
+                f"Fashion-MNIST classifier weights not found at {path}. Train them once (a few CPU minutes) with "
+                f"`python -m scripts.train_fmnist_classifier` (writes that file; ${CACHE_ENV} moves the cache), "
+                "or pass a path with --extractor-weights / weights=."
+            )
+    else:
+        return None  # another torch-fidelity extractor: it finds (or downloads) its own weights
+    if name == INCEPTION:
+        _check_inception_file(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- Fashion-MNIST classifier
+
+FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530  # pixel statistics of the Fashion-MNIST training set (in [0, 1])
+FMNIST_SIZE = 28
+
+
+def fmnist_preprocess(images: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[B, C, H, W]`` (C = 1 or 3, any size) -> normalized float ``[B, 1, 28, 28]``."""
+    x = images.float() / 255.0
+    if x.shape[1] == 3:
+        x = x.mean(dim=1, keepdim=True)
+    if x.shape[-2:] != (FMNIST_SIZE, FMNIST_SIZE):
+        x = F.interpolate(x, size=(FMNIST_SIZE, FMNIST_SIZE), mode="bilinear", antialias=True, align_corners=False)
+    return (x - FMNIST_MEAN) / FMNIST_STD
+
+
+class FashionMNISTClassifier(nn.Module):
+    """Two conv blocks and two linear layers (~0.4M parameters).
+
+    ``features`` is the 128-d penultimate layer before its ReLU (closer to Gaussian than a ReLU output).
+    """
+
+    feature_dim = 128
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Sequential(  # strided convolutions: cheap enough to train on a laptop CPU
+            nn.Conv2d(1, 32, 3, stride=2, padding=1), nn.ReLU(),   # 14x14
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),  # 7x7
+        )
+        self.fc = nn.Linear(64 * 7 * 7, self.feature_dim)
+        self.head = nn.Linear(self.feature_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).flatten(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.features(x)))
+
+
+class FashionMNISTFeatureExtractor(FeatureExtractorBase):
+    """torch-fidelity wrapper of :class:`FashionMNISTClassifier`: layers ``"128"`` (FID/KID) and ``"logits"`` (IS)."""
+
+    def __init__(self, name, features_list, feature_extractor_weights_path=None, **kwargs):
+        super().__init__(name, features_list)
+        self.net = FashionMNISTClassifier()
+        path = resolve_weights(FMNIST, feature_extractor_weights_path)
+        try:
+            load_weights(self.net, path)
+        except CheckpointError as err:
+            raise FeatureExtractorError(f"{path} is not a Fashion-MNIST classifier checkpoint: {err}") from err
+        self.requires_grad_(False)
+        self.eval()
+
+    @staticmethod
+    def get_provided_features_list():
+        return ("128", "logits")
+
+    @staticmethod
+    def get_default_feature_layer_for_metric(metric):
+        return {"isc": "logits", "fid": "128", "kid": "128", "prc": "128"}[metric]
+
+    @staticmethod
+    def can_be_compiled():
+        return False
+
+    @staticmethod
+    def get_dummy_input_for_compile():
+        return torch.zeros(1, 1, FMNIST_SIZE, FMNIST_SIZE, dtype=torch.uint8)
+
+    def forward(self, x):
+        if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[1] not in (1, 3):
+            raise ValueError(f"{FMNIST} expects uint8 images [B, 1 or 3, H, W], got {x.dtype} {tuple(x.shape)}")
+        features = self.net.features(fmnist_preprocess(x))
+        out = {"128": features, "logits": self.net.head(F.relu(features))}
+        return tuple(out[name] for name in self.features_list)
+
+
+if FMNIST not in FEATURE_EXTRACTORS_REGISTRY:
+    register_feature_extractor(FMNIST, FashionMNISTFeatureExtractor)
+
+
+# ----------------------------------------------------------------------------- building
+
+def default_layer(name: str, metric: str) -> str:
+    """The layer torch-fidelity uses for ``metric`` (``fid``, ``isc``, ``kid``) with extractor ``name``."""
+    return registered_class(name).get_default_feature_layer_for_metric(metric)
+
+
+def registered_class(name: str):
+    if name not in FEATURE_EXTRACTORS_REGISTRY:
+        raise FeatureExtractorError(
+            f"unknown feature extractor {name!r}; registered: {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}"
+        )
+    return FEATURE_EXTRACTORS_REGISTRY[name]
+
+
+def build_feature_extractor(name: str, layers: Sequence[str], weights: Optional[PathLike] = None,
+                            device: Union[str, torch.device] = "cpu") -> FeatureExtractorBase:
+    """A torch-fidelity feature extractor in eval mode on ``device``; weights resolved by :func:`resolve_weights`.
+
+    Call it with uint8 ``[B, 3, H, W]`` images; it returns one tensor per requested layer, in order.
+    """
+    from torch_fidelity.utils import create_feature_extractor
+
+    cls = registered_class(name)
+    provided = cls.get_provided_features_list()
+    unknown = [layer for layer in layers if layer not in provided]
+    if unknown:
+        raise FeatureExtractorError(f"{name} has no layer(s) {unknown}; it provides {list(provided)}")
+    path = resolve_weights(name, weights)
+    extractor = create_feature_extractor(
+        name, list(dict.fromkeys(layers)), cuda=False, verbose=False,
+        feature_extractor_weights_path=None if path is None else str(path),
+    )
+    extractor.weights_path = None if path is None else str(path)  # recorded in the results' protocol
+    return extractor.to(device)
