@@ -1,0 +1,494 @@
+"""Train a class-conditional DiT (Pre-Norm or SiameseNorm) on VAE latents or, on CPUs, Fashion-MNIST pixels.
+
+    python -m diffusion.train --config configs/dit_b2_siamese.yaml data.path=LATENTS_DIR
+    accelerate launch --multi_gpu --num_processes 8 -m diffusion.train --config configs/dit_b2_siamese.yaml data.path=...
+    torchrun --nproc_per_node 2 -m diffusion.train --config configs/fmnist_dit_siamese.yaml     # CPU, gloo
+
+Settings are ``section.key=value`` overrides on top of the YAML (``--help`` lists the keys). The global
+batch (``optim.batch_size``) is split over processes and gradient-accumulation steps, so one recipe gives
+the same training on 1 GPU or 64.
+
+The objective is DiT's (:mod:`diffusion.gaussian_diffusion`): uniform t, epsilon MSE plus the VLB for the
+learned variance. Every random choice of a training example (the latent drawn from the stored VAE
+moments, the flip, t, the noise, the label drop for classifier-free guidance) is made in the dataset under
+a per-sample seed (:class:`common.data.SeededDataset`), so the run is the same for any number of
+processes and after a resume. Per step: micro-batches -> optional clipping -> AdamW (constant LR) -> EMA.
+A non-finite loss skips the update; ``train.max_nonfinite`` in a row stops the run. The run directory
+gets ``config.yaml``, ``metrics.jsonl``, TensorBoard events (``tb/``), ``checkpoints/`` (``train.resume=auto``
+continues the newest), EMA sample grids (``samples/``), ``ema.safetensors`` (refreshed at every checkpoint,
+what the sampler loads), ``model.safetensors`` and ``final_metrics.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Literal, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from common.checkpoint import bare_model, save_weights
+from common.config import ConfigError, config_to_dict, flatten, load_config, save_config
+from common.data import ResumableSampler, SeededDataset, load_fashion_mnist
+from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
+from common.ema import ModelEma
+from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
+from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_rng_state
+from diffusion.gaussian_diffusion import GaussianDiffusion
+from diffusion.latents import DEFAULT_VAE, LatentDataset, load_vae, sample_latents
+from diffusion.models import DiT, DiT_models
+
+
+# ----------------------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name: str = "DiT-B/2"  # a key of diffusion.models.DiT_models
+    topology: Literal["pre", "post", "siamese", "mixln"] = "pre"
+    learn_sigma: bool = True  # 2C outputs and the MSE+VLB loss; false: C outputs, plain MSE
+    class_dropout_prob: float = 0.1  # label dropout for classifier-free guidance
+    grad_checkpointing: bool = False  # recompute blocks in the backward pass (less memory)
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # further DiT arguments (hidden_size, depth, ...)
+
+    def __post_init__(self):
+        if self.name not in DiT_models:
+            raise ValueError(f"model.name={self.name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+        if not 0.0 <= self.class_dropout_prob < 1.0:
+            raise ValueError(f"model.class_dropout_prob={self.class_dropout_prob} must lie in [0, 1)")
+        own = {"input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "topology"}
+        allowed = [p for p in inspect.signature(DiT).parameters if p not in own]
+        unknown = [k for k in self.kwargs if k not in allowed]
+        if unknown:
+            raise ValueError(f"model.kwargs has unknown DiT arguments {unknown} (in YAML write `{{hidden_size: 96}}` with "
+                             f"a space after the colon); valid: {', '.join(allowed)}")
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["latents", "fashion_mnist"] = "latents"
+    path: Optional[str] = None  # latents: the --out of diffusion.extract_latents; fashion_mnist: optional root
+    autoencoder: str = DEFAULT_VAE  # VAE that decodes sample grids (dir or HF id); "none" = pixel space
+    image_size: int = 256  # pixels; latents: must match the extraction
+    num_classes: int = 1000
+    hflip: bool = True  # random horizontal flip (latents: the stored flipped view)
+    max_samples: Optional[int] = None  # keep the first N training examples (quick runs, tests)
+    num_workers: int = 4
+
+    def __post_init__(self):
+        if self.dataset == "latents" and not self.path:
+            raise ValueError("data.path is required for dataset=latents: the output directory of "
+                             "`python -m diffusion.extract_latents` (it holds metadata.json)")
+        if self.dataset == "latents" and self.autoencoder == "none":
+            raise ValueError("dataset=latents needs data.autoencoder (the VAE that made the latents, for sample "
+                             "grids); data.autoencoder=none is for pixel-space data")
+        if self.dataset == "fashion_mnist" and self.autoencoder != "none":
+            raise ValueError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
+        if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):
+            raise ValueError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
+
+
+@dataclass
+class DiffusionConfig:
+    num_timesteps: int = 1000
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+
+
+@dataclass
+class OptimConfig:
+    batch_size: int = 256  # GLOBAL batch: all processes x grad_accum x per-process micro-batch
+    lr: float = 1e-4  # constant
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: Optional[float] = None  # max global grad norm; null = no clipping
+    grad_accum: int = 1
+    steps: int = 400_000
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/dit"
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    compile: bool = False  # torch.compile the model
+    threads: Optional[int] = None  # CPU intra-op threads (null: torch's default; 1 is fastest on a busy machine)
+    ema_decay: float = 0.9999
+    log_every: int = 100  # steps
+    ckpt_every: int = 50_000  # steps (also at the end, and at stop_at_step)
+    keep_last: int = 2
+    keep_every: Optional[int] = None  # also keep checkpoints of steps divisible by this
+    resume: Optional[str] = "auto"  # auto | null | path to a step_*.pt
+    max_nonfinite: int = 20  # non-finite losses in a row before the run stops
+    stop_at_step: Optional[int] = None  # end this invocation at this step (time-limited job slot); resume later
+    tensorboard: bool = True
+    sample_every: int = 10_000  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
+    sample_count: int = 16  # images in a grid
+    sample_steps: int = 100  # respaced DDPM steps for the grids
+    sample_cfg_scale: float = 1.0  # classifier-free guidance for the grids (1 = none)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(dataset="fashion_mnist", autoencoder="none", image_size=32))
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+
+
+# ------------------------------------------------------------------------------------------- data
+class PixelImages(Dataset):
+    """Fashion-MNIST in [-1, 1], padded to ``image_size`` with the black background: ``(x0 (1, S, S), label)``."""
+
+    def __init__(self, split: str, image_size: int, root: Optional[str] = None, limit: Optional[int] = None):
+        images, labels = load_fashion_mnist(split, root)
+        self.images = torch.from_numpy(images[:limit].copy())
+        self.labels = torch.from_numpy(labels[:limit].copy())
+        self.pad = (image_size - self.images.shape[-1]) // 2
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i].float().div(127.5).sub(1.0)[None]
+        return torch.nn.functional.pad(x, (self.pad,) * 4, value=-1.0), int(self.labels[i])
+
+
+class LatentImages(Dataset):
+    """A fresh VAE latent per access, drawn from the stored moments: ``(x0 (C, h, w), label)``.
+
+    View 0 is the image, view 1 its mirror; ``hflip`` picks one at random.
+    """
+
+    def __init__(self, root: str, hflip: bool = True, limit: Optional[int] = None):
+        self.moments = LatentDataset(root)
+        self.hflip = hflip
+        self.length = len(self.moments) if limit is None else min(limit, len(self.moments))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        mean, logvar, label = self.moments[i]
+        flip = torch.rand(1) < 0.5 if self.hflip else torch.zeros(1, dtype=torch.bool)
+        noise = torch.randn(mean.shape[1:])
+        return sample_latents(mean[None], logvar[None], flip, noise[None], self.moments.scaling_factor)[0], label
+
+
+class DiffusionExamples(Dataset):
+    """A complete training example ``(x0, label, t, noise, drop_label)``: all its randomness is drawn here,
+    so that under :class:`SeededDataset` it depends only on the sample's seed."""
+
+    def __init__(self, images: Dataset, num_timesteps: int, hflip: bool, class_dropout_prob: float):
+        self.images = images
+        self.num_timesteps = num_timesteps
+        self.hflip = hflip and isinstance(images, PixelImages)  # latents flip by picking the stored view
+        self.class_dropout_prob = class_dropout_prob
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        x0, label = self.images[i]
+        if self.hflip and torch.rand(()) < 0.5:
+            x0 = x0.flip(-1)
+        t = torch.randint(self.num_timesteps, ())
+        noise = torch.randn_like(x0)
+        drop = torch.rand(()) < self.class_dropout_prob
+        return x0, label, t, noise, drop
+
+
+def build_images(cfg: DataConfig) -> Dataset:
+    if cfg.dataset == "fashion_mnist":
+        return PixelImages("train", cfg.image_size, cfg.path, cfg.max_samples)
+    images = LatentImages(cfg.path, cfg.hflip, cfg.max_samples)
+    meta = images.moments.metadata
+    if meta["image_size"] != cfg.image_size:
+        raise ValueError(f"the latents in {cfg.path} are of {meta['image_size']}px images, the config says "
+                         f"data.image_size={cfg.image_size}; make them agree")
+    if len(meta["classes"]) != cfg.num_classes:
+        raise ValueError(f"the latents in {cfg.path} have {len(meta['classes'])} classes, the config says "
+                         f"data.num_classes={cfg.num_classes}; make them agree")
+    return images
+
+
+def build_model(cfg: TrainConfig, sample_shape) -> torch.nn.Module:
+    channels, size, _ = sample_shape
+    model = DiT_models[cfg.model.name](
+        input_size=size, in_channels=channels, num_classes=cfg.data.num_classes, learn_sigma=cfg.model.learn_sigma,
+        class_dropout_prob=cfg.model.class_dropout_prob, topology=cfg.model.topology, **cfg.model.kwargs,
+    )
+    model.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    return model
+
+
+def weights_metadata(cfg: TrainConfig, sample_shape, step: int) -> dict:
+    """What a sampler needs to rebuild the model around exported weights."""
+    return {"model": cfg.model.name, "topology": cfg.model.topology, "learn_sigma": cfg.model.learn_sigma,
+            "class_dropout_prob": cfg.model.class_dropout_prob, "in_channels": sample_shape[0],
+            "input_size": sample_shape[1], "num_classes": cfg.data.num_classes, "model_kwargs": json.dumps(cfg.model.kwargs),
+            "autoencoder": cfg.data.autoencoder, "step": step}
+
+
+# --------------------------------------------------------------------------------------- sampling
+@torch.no_grad()
+def sample_grid(model, cfg: TrainConfig, sample_shape, vae, scaling_factor: float, device) -> torch.Tensor:
+    """EMA samples of fixed noise and classes (comparable across the run), as images in [0, 1]."""
+    n = cfg.train.sample_count
+    g = torch.Generator(device="cpu").manual_seed(cfg.train.seed)
+    labels = (torch.arange(n) % cfg.data.num_classes).to(device)
+    noise = torch.randn(n, *sample_shape, generator=g).to(device)
+    diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start, cfg.diffusion.beta_end,
+                                  learn_sigma=cfg.model.learn_sigma, sampling_steps=cfg.train.sample_steps)
+    guided = cfg.train.sample_cfg_scale != 1.0
+    null = torch.full_like(labels, cfg.data.num_classes)
+
+    def model_fn(x, t):
+        if not guided:
+            return model(x, t, labels)
+        out = model.forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]),
+                                     cfg.train.sample_cfg_scale)
+        return out[: x.shape[0]]
+
+    was_training = model.training
+    model.eval()
+    x = diffusion.p_sample_loop(model_fn, noise, generator=torch.Generator(device=device).manual_seed(cfg.train.seed))
+    model.train(was_training)
+    if vae is not None:
+        x = vae.decode(x / scaling_factor).sample
+    return ((x.float() + 1) / 2).clamp(0, 1).cpu()
+
+
+def save_grid(images: torch.Tensor, path: Path) -> None:
+    from torchvision.utils import save_image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(images, path, nrow=int(math.ceil(math.sqrt(len(images)))))
+
+
+# ------------------------------------------------------------------------------------------ train
+def train(cfg: TrainConfig) -> dict:
+    """Run (or continue) the training a config describes; return the final metrics (main process)."""
+    run_dir = Path(cfg.train.output_dir)
+    accelerator = build_accelerator(cfg.train.precision, run_dir, cfg.train.tensorboard)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if accelerator.is_main_process:
+        save_config(cfg, run_dir / "config.yaml")
+    if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0:
+        raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
+
+    images = build_images(cfg.data)
+    sample_shape = tuple(images[0][0].shape)
+    examples = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.data.hflip, cfg.model.class_dropout_prob)
+    per_process_batch = check_divisible(cfg.optim.batch_size, world, cfg.optim.grad_accum)
+    sampler = ResumableSampler(len(examples), world, rank, seed=cfg.train.seed)
+    samples_per_step = per_process_batch * cfg.optim.grad_accum  # per process
+    steps_per_epoch = len(sampler) // samples_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(examples)} training examples are fewer than one global batch "
+                         f"({cfg.optim.batch_size}); lower optim.batch_size or use more data")
+    # Per-sample seeds, not the global RNG, drive the examples; the loader's generator keeps it that way.
+    loader = DataLoader(SeededDataset(examples), batch_size=per_process_batch, sampler=sampler, drop_last=True,
+                        num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available(),
+                        generator=torch.Generator())
+
+    seed_everything(cfg.train.seed)  # the same initial weights on every rank
+    model = build_model(cfg, sample_shape).to(accelerator.device)
+    diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start, cfg.diffusion.beta_end,
+                                  learn_sigma=cfg.model.learn_sigma)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                  betas=cfg.optim.betas, eps=cfg.optim.eps)
+    ema = ModelEma(model, cfg.train.ema_decay)  # starts as a copy of the weights, as DiT's
+    n_params = sum(p.numel() for p in model.parameters())
+    model = accelerator.prepare(model)
+    train_model = torch.compile(model) if cfg.train.compile else model
+    seed_everything(cfg.train.seed, rank)
+    guard = NonFiniteGuard(cfg.train.max_nonfinite)
+    ckpts = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_last, cfg.train.keep_every)
+
+    vae, scaling_factor = None, 1.0
+    if cfg.train.sample_every and accelerator.is_main_process and cfg.data.autoencoder != "none":
+        try:
+            vae = load_vae(cfg.data.autoencoder).to(accelerator.device).eval().requires_grad_(False)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{err} Or set train.sample_every=0 to train without sample grids.") from err
+        scaling_factor = images.moments.scaling_factor
+
+    step = 0
+    resumed = resolve_resume(cfg.train.resume, ckpts)
+    if resumed is not None:
+        path, state = resumed
+        step = _load_state(state, model, ema, optimizer, guard, sampler, rank, world, path)
+        accelerator.print(f"resumed from {path} at step {step}/{cfg.optim.steps}")
+
+    logger = MetricsLogger(accelerator, run_dir, config=flatten(config_to_dict(cfg)) if cfg.train.tensorboard else None)
+    if step == 0:
+        logger.log({"params": n_params, "examples": len(examples), "steps_per_epoch": steps_per_epoch,
+                    "world_size": world}, step=0)
+    bar = progress_bar(accelerator, cfg.optim.steps, initial=step)
+    meta = lambda s: weights_metadata(cfg, sample_shape, s)  # noqa: E731
+
+    def save_checkpoint():
+        rng = gather_objects(accelerator, capture_rng_state())
+        if accelerator.is_main_process:
+            epoch, done = divmod(step, steps_per_epoch)
+            ckpts.save({
+                "model": bare_model(model).state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": step, "epoch": epoch,
+                "sampler": {**sampler.state_dict(), "epoch": epoch, "start": done * samples_per_step * world},
+                "rng": rng, "nonfinite": guard.state_dict(), "world_size": world, "config": config_to_dict(cfg),
+            }, step)
+            save_weights(ema.module, run_dir / "ema.safetensors", metadata=meta(step))
+        accelerator.wait_for_everyone()
+
+    def save_samples():
+        if accelerator.is_main_process:
+            save_grid(sample_grid(ema.module, cfg, sample_shape, vae, scaling_factor, accelerator.device),
+                      run_dir / "samples" / f"step_{step:07d}.png")
+        accelerator.wait_for_everyone()
+
+    window = dict.fromkeys(("loss", "mse", "vb", "grad_norm", "steps", "all_steps", "time", "wait"), 0.0)
+    last_record: dict = {}
+    last_saved = step
+    model.train()
+    while step < cfg.optim.steps:
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch, start=done_in_epoch * samples_per_step * world)
+        batches = iter(loader)
+        for _ in range(done_in_epoch, steps_per_epoch):
+            t_start = time.perf_counter()
+            parts = torch.zeros(3, device=accelerator.device)  # loss, mse, vb summed over micro-batches
+            for micro in range(cfg.optim.grad_accum):
+                t_wait = time.perf_counter()
+                x0, y, t, noise, drop = (b.to(accelerator.device, non_blocking=True) for b in next(batches))
+                window["wait"] += time.perf_counter() - t_wait
+                kwargs = {"y": y, "force_drop_ids": drop.long() if cfg.model.class_dropout_prob > 0 else None}
+                sync = micro == cfg.optim.grad_accum - 1
+                with (contextlib.nullcontext() if sync else accelerator.no_sync(model)), accelerator.autocast():
+                    losses = diffusion.training_losses(train_model, x0, t, noise, kwargs)
+                    loss = losses["loss"].mean()
+                    accelerator.backward(loss / cfg.optim.grad_accum)
+                parts += torch.stack([losses[k].detach().mean() for k in ("loss", "mse", "vb")])
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
+            parts = reduce_mean(accelerator, parts / cfg.optim.grad_accum)
+            finite = bool(torch.isfinite(parts).all()) and bool(torch.isfinite(grad_norm))
+            if guard.check(finite, step + 1):
+                optimizer.step()
+                ema.update(model)
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+
+            if finite:
+                for k, v in zip(("loss", "mse", "vb"), parts.tolist()):
+                    window[k] += v
+                window["grad_norm"] += float(grad_norm)
+                window["steps"] += 1
+            window["all_steps"] += 1
+            window["time"] += time.perf_counter() - t_start
+            last_step = step == cfg.optim.steps
+            if step % cfg.train.log_every == 0 or last_step:
+                n = max(window["steps"], 1)
+                steps_per_s = window["all_steps"] / max(window["time"], 1e-9)
+                last_record = {
+                    "train/loss": window["loss"] / n, "train/mse": window["mse"] / n, "train/vb": window["vb"] / n,
+                    "train/grad_norm": window["grad_norm"] / n, "train/lr": optimizer.param_groups[0]["lr"],
+                    "train/steps_per_s": steps_per_s,
+                    "train/images_per_s_per_process": steps_per_s * cfg.optim.batch_size / world,
+                    "train/data_wait": window["wait"] / max(window["time"], 1e-9),
+                    "train/nonfinite_steps": guard.total, "train/epoch": step / steps_per_epoch,
+                }
+                logger.log(last_record, step)
+                bar.set_postfix(loss=f"{last_record['train/loss']:.4f}", it_s=f"{steps_per_s:.2f}")
+                window = dict.fromkeys(window, 0.0)
+
+            stop_now = cfg.train.stop_at_step is not None and step >= cfg.train.stop_at_step and not last_step
+            if step % cfg.train.ckpt_every == 0 or last_step or stop_now:
+                save_checkpoint()
+                last_saved = step
+            if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or last_step):
+                save_samples()
+            if stop_now:
+                bar.close()
+                logger.close()
+                accelerator.print(f"stopped at step {step} (train.stop_at_step); continue with train.resume=auto")
+                return {"stopped_at": step}
+            if last_step:
+                break
+    bar.close()
+
+    if last_saved != step:
+        save_checkpoint()
+    final = {"steps": step, "params": n_params, "nonfinite_steps": guard.total,
+             **{k.split("/", 1)[1]: v for k, v in last_record.items()}}
+    if accelerator.is_main_process:
+        save_weights(model, run_dir / "model.safetensors", metadata=meta(step))
+        save_weights(ema.module, run_dir / "ema.safetensors", metadata=meta(step))
+        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
+    logger.close()
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _load_state(state, model, ema, optimizer, guard, sampler, rank, world, path) -> int:
+    """Restore a training checkpoint; returns the step to continue from."""
+    bare_model(model).load_state_dict(state["model"])
+    ema.load_state_dict(state["ema"])
+    optimizer.load_state_dict(state["optimizer"])
+    guard.load_state_dict(state.get("nonfinite", {}))
+    if state["sampler"]["num_samples"] != sampler.num_samples:
+        raise ValueError(f"{path} was trained on {state['sampler']['num_samples']} examples, this run has "
+                         f"{sampler.num_samples}: the data changed (data.path / data.max_samples)")
+    rng = state["rng"]
+    if len(rng) == world:
+        restore_rng_state(rng[rank])
+    else:  # training examples are seeded per sample, so only RNG-using extensions would notice
+        warnings.warn(f"{path} was written by {len(rng)} processes, this run has {world}; global RNGs are re-seeded")
+    return int(state["step"])
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def _keys_help() -> str:
+    lines = ["settings (section.key=value; the YAML recipe gives the values):"]
+    for section in dataclasses.fields(TrainConfig):
+        names = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
+        lines.append(f"  {section.name}: {names}")
+    lines.append(
+        "\nexamples:\n"
+        "  python -m diffusion.train --config configs/fmnist_dit_siamese.yaml optim.steps=500\n"
+        "  accelerate launch --multi_gpu --num_processes 8 -m diffusion.train "
+        "--config configs/dit_b2_siamese.yaml data.path=latents/imagenet256 data.autoencoder=/models/sd-vae-ft-ema"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m diffusion.train", description=__doc__.split("\n\n")[0],
+                                     epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML recipe, e.g. configs/dit_b2_siamese.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.key=value settings (values in YAML syntax)")
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    parser, args = parse_args(argv)
+    try:
+        cfg = load_config(TrainConfig, args.config, args.overrides)
+    except ConfigError as err:
+        parser.exit(2, f"error: {err}\n")
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,129 @@
+"""The DiT trainer end to end on tiny pixel-space Fashion-MNIST runs (CPU)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from common.config import load_config
+from common.logging import read_metrics
+from common.train_state import CheckpointManager
+from diffusion.train import TrainConfig, main, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=0", "train.tensorboard=false",
+        "train.threads=1", "train.sample_every=0"]
+# 24 examples, batch 8: 3 steps per epoch, so 6 steps cross an epoch boundary.
+SMALL = ["data.max_samples=24", "optim.batch_size=8", "optim.steps=6", "optim.lr=1e-3", "train.log_every=1",
+         "train.ema_decay=0.5"]
+torch.set_num_threads(1)
+
+
+def config(out, *overrides, topology="siamese"):
+    return load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml",
+                       [*TINY, f"train.output_dir={out}", *overrides])
+
+
+def same_weights(a_dir, b_dir, exact=True):
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = load_file(Path(a_dir) / name), load_file(Path(b_dir) / name)
+        assert a.keys() == b.keys()
+        for k in a:
+            if exact:
+                assert torch.equal(a[k], b[k]), f"{name}: {k}"
+            else:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=f"{name}: {k}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted one-process run of SMALL."""
+    out = tmp_path_factory.mktemp("reference")
+    train(config(out, *SMALL))
+    return out
+
+
+@pytest.mark.parametrize("topology", ["pre", "siamese"])
+def test_short_run_loss_decreases_and_writes_outputs(tmp_path, topology):
+    final = train(config(tmp_path, "data.max_samples=512", "optim.batch_size=32", "optim.steps=48", "optim.lr=2e-3",
+                         "train.log_every=8", "train.sample_every=48", "train.sample_count=4", "train.sample_steps=4",
+                         topology=topology))
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    losses = [r["train/loss"] for r in records]
+    assert len(losses) == 6 and losses[-1] < 0.75 * losses[0], losses
+    assert all(r["train/vb"] > 0 and r["train/mse"] < r["train/loss"] for r in records)  # learned sigma: MSE + VLB
+    assert final["steps"] == 48 and final["nonfinite_steps"] == 0 and final["steps_per_s"] > 0
+    assert (tmp_path / "samples" / "step_0000048.png").is_file()
+    with safe_open(str(tmp_path / "ema.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["topology"] == topology and meta["in_channels"] == "1" and meta["input_size"] == "32"
+
+
+def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
+    """SIGKILL a run after its first checkpoint, leave a torn newer checkpoint file, resume: same weights."""
+    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, f"train.output_dir={tmp_path}",
+            "train.ckpt_every=2", "train.keep_last=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # optim.steps=100000: the run cannot finish before it is killed.
+    proc = subprocess.Popen([sys.executable, "-m", "diffusion.train", *args, "optim.steps=100000"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    deadline = time.time() + 120
+    while not ckpts.steps() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert ckpts.steps(), f"no checkpoint before the kill: {err.decode()[-2000:]}"
+    killed_at = ckpts.steps()[-1]
+    assert 2 <= killed_at < 6, killed_at
+    ckpts.path_for(killed_at + 1).write_bytes(b"torn write")  # a newer, unreadable checkpoint: skipped
+    with pytest.warns(UserWarning, match="skipping unreadable checkpoint"):
+        main(args)
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert records[-1]["step"] == 6
+    same_weights(reference, tmp_path)
+
+
+def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
+    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+           "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r for r in read_metrics(tmp_path / "two") if "world_size" in r][0]["world_size"] == 2
+    same_weights(reference, tmp_path / "two", exact=False)
+    one = [r["train/loss"] for r in read_metrics(reference) if "train/loss" in r]
+    two = [r["train/loss"] for r in read_metrics(tmp_path / "two") if "train/loss" in r]
+    assert two == pytest.approx(one, rel=1e-5)  # the logged loss is the global-batch mean
+    main([*args, "optim.grad_accum=2", f"train.output_dir={tmp_path / 'accum'}"])
+    same_weights(reference, tmp_path / "accum", exact=False)
+
+
+def test_plain_mse_and_config_errors(tmp_path, capsys):
+    train(config(tmp_path, *SMALL, "optim.steps=2", "model.learn_sigma=false", "model.class_dropout_prob=0"))
+    records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert all(r["train/vb"] == 0 and r["train/loss"] == r["train/mse"] for r in records)
+    with pytest.raises(SystemExit):
+        main(["--config", str(ROOT / "configs/fmnist_dit_pre.yaml"), "diffusion.numtimesteps=10"])
+    err = capsys.readouterr().err
+    assert "did you mean 'num_timesteps'" in err and "beta_start" in err
+    with pytest.raises(SystemExit):
+        main(["--config", str(ROOT / "configs/dit_b2_siamese.yaml")])
+    assert "data.path is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, topology, model", [("dit_b2_pre", "pre", "DiT-B/2"), ("dit_l4_siamese", "siamese", "DiT-L/4")])
+def test_imagenet_recipes_state_method_section_4(name, topology, model):
+    cfg = load_config(TrainConfig, ROOT / f"configs/{name}.yaml", ["data.path=/nonexistent"])
+    o, d = cfg.optim, cfg.diffusion
+    assert (cfg.model.name, cfg.model.topology, cfg.model.learn_sigma) == (model, topology, True)
+    assert (o.batch_size, o.lr, o.weight_decay, o.steps, cfg.train.ema_decay) == (256, 1e-4, 0.0, 400_000, 0.9999)
+    assert (d.num_timesteps, d.beta_start, d.beta_end) == (1000, 1e-4, 0.02)
+    assert (cfg.data.dataset, cfg.data.image_size, cfg.data.hflip, cfg.data.num_classes) == ("latents", 256, True, 1000)
