@@ -283,12 +283,11 @@ def train(cfg: TrainConfig) -> dict:
     rank, world = accelerator.process_index, accelerator.num_processes
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if accelerator.is_main_process:
-        save_config(cfg, run_dir / "config.yaml")
     if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0:
         raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
-
     images = build_images(cfg.data)
+    if accelerator.is_main_process:
+        save_config(cfg, run_dir / "config.yaml")
     sample_shape = tuple(images[0][0].shape)
     examples = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.data.hflip, cfg.model.class_dropout_prob)
     per_process_batch = check_divisible(cfg.optim.batch_size, world, cfg.optim.grad_accum)

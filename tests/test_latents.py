@@ -118,3 +118,37 @@ def test_center_crop_and_latent_sampling():
     for i in range(3):
         v = int(flip[i])
         torch.testing.assert_close(z[i], 0.5 * (mean[i, v] + torch.exp(0.5 * logvar[i, v]) * noise[i]))
+
+
+def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tmp_path):
+    from common.config import load_config
+    from common.data import seeded_rng
+    from diffusion.train import LatentImages, TrainConfig, train
+
+    run(setup, tmp_path / "lat")
+    images = LatentImages(str(tmp_path / "lat"))
+    with seeded_rng(1):
+        a, label = images[7]
+    with seeded_rng(1):
+        b, _ = images[7]
+    with seeded_rng(2):
+        c, _ = images[7]
+    assert label == 1 and a.shape == (4, 16, 16)
+    assert torch.equal(a, b) and not torch.allclose(a, c), "a fresh latent per draw, reproducible per seed"
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(TrainConfig, os.path.join(root, "configs/dit_b2_siamese.yaml"), [
+        f"data.path={tmp_path / 'lat'}", f"data.autoencoder={setup / 'vae'}", "data.image_size=32", "data.num_classes=2",
+        "data.num_workers=0", "model.name=DiT-S/4", "model.kwargs={hidden_size: 32, depth: 1, num_heads: 2}",
+        "optim.batch_size=4", "optim.steps=2", "train.sample_every=2", "train.sample_count=2", "train.sample_steps=2",
+        "train.tensorboard=false", f"train.output_dir={tmp_path / 'run'}",
+    ])
+    final = train(cfg)
+    assert final["steps"] == 2 and final["loss"] > 0
+    grid = Image.open(tmp_path / "run" / "samples" / "step_0000002.png")
+    assert grid.size == (2 * 32 + 3 * 2, 32 + 2 * 2)  # two decoded 32 px RGB images with torchvision's padding
+    with pytest.raises(ValueError, match="data.num_classes=10"):
+        train(load_config(TrainConfig, os.path.join(root, "configs/dit_b2_siamese.yaml"), [
+            f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=10", "train.sample_every=0",
+            f"train.output_dir={tmp_path / 'bad'}"]))
+    assert not (tmp_path / "bad").exists(), "nothing is written for a config that does not fit the data"
