@@ -110,11 +110,19 @@ FMNIST_SIZE = 28
 
 
 def fmnist_preprocess(images: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[B, C, H, W]`` (C = 1 or 3, any size) -> normalized float ``[B, 1, 28, 28]``."""
+    """uint8 ``[B, C, H, W]`` (C = 1 or 3) -> normalized float ``[B, 1, 28, 28]``.
+
+    Larger images are center-cropped to 28 (the pixel-space DiT pads the 28 px images to 32 with background,
+    so the crop recovers them); smaller ones are resized up.
+    """
     x = images.float() / 255.0
     if x.shape[1] == 3:
         x = x.mean(dim=1, keepdim=True)
-    if x.shape[-2:] != (FMNIST_SIZE, FMNIST_SIZE):
+    h, w = x.shape[-2:]
+    if h >= FMNIST_SIZE and w >= FMNIST_SIZE:
+        top, left = (h - FMNIST_SIZE) // 2, (w - FMNIST_SIZE) // 2
+        x = x[..., top: top + FMNIST_SIZE, left: left + FMNIST_SIZE]
+    else:
         x = F.interpolate(x, size=(FMNIST_SIZE, FMNIST_SIZE), mode="bilinear", antialias=True, align_corners=False)
     return (x - FMNIST_MEAN) / FMNIST_STD
 

@@ -177,10 +177,12 @@ def test_fmnist_extractor_loads_given_weights_and_reports_missing_ones(tmp_path,
     images = torch.randint(0, 256, (5, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     feats = extract_features(open_images(images), extractor, batch_size=2)
     assert feats["128"].shape == (5, 128) and feats["logits"].shape == (5, 10)
-    # RGB copies of grey images and 32x32 inputs are accepted (averaged, resized to 28)
+    # RGB copies of grey images are averaged back; 32 px images padded with background are cropped back to 28
     rgb = extractor(images.expand(-1, 3, -1, -1))[0]
     torch.testing.assert_close(rgb, feats["128"])
-    assert extractor(torch.zeros(2, 1, 32, 32, dtype=torch.uint8))[0].shape == (2, 128)
+    padded = torch.nn.functional.pad(images, (2, 2, 2, 2))
+    torch.testing.assert_close(extractor(padded)[0], feats["128"])
+    assert extractor(torch.zeros(2, 1, 16, 16, dtype=torch.uint8))[0].shape == (2, 128)
     with pytest.raises(FeatureExtractorError, match="unknown feature extractor"):
         build_feature_extractor("fmnist", ["128"])
     with pytest.raises(FeatureExtractorError, match="provides"):

@@ -1,0 +1,211 @@
+"""diffusion.sample: reverse steps against direct restatements, guidance, exact distributed sample sets, resume."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoint import save_weights
+from common.metrics import open_images, read_sampling_protocol
+from diffusion.gaussian_diffusion import GaussianDiffusion
+from diffusion.models import DiT
+from diffusion.sample import (
+    draw_noise,
+    guided_model_fn,
+    load_model,
+    main,
+    model_fn_for,
+    sample_generator,
+    sample_loop,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}
+SHAPE = (1, 8, 8)
+torch.set_num_threads(1)
+
+
+def save_tiny(path, learn_sigma=True, class_dropout_prob=0.1, in_channels=1, autoencoder="none"):
+    """A tiny pixel-space DiT with metadata as diffusion.train writes it; weights perturbed away from the
+    adaLN-Zero init (whose output is identically zero) so that samples depend on them."""
+    torch.manual_seed(0)
+    model = DiT(input_size=8, patch_size=4, in_channels=in_channels, num_classes=5, learn_sigma=learn_sigma,
+                class_dropout_prob=class_dropout_prob, topology="siamese", **TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    meta = {"model": "DiT-S/4", "topology": "siamese", "learn_sigma": learn_sigma, "class_dropout_prob": class_dropout_prob,
+            "in_channels": in_channels, "input_size": 8, "num_classes": 5, "model_kwargs": json.dumps(TINY),
+            "autoencoder": autoencoder, "step": 7}
+    return save_weights(model, path, metadata=meta)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("ckpt") / "ema.safetensors")
+
+
+def restated_chain(model_fn, steps, indices, sampler, eta=0.0, seed=0):
+    """DDPM with learned range variance / DDIM, written out in float64 from the DiT/ADM formulas."""
+    betas_train = np.linspace(1e-4, 0.02, 1000, dtype=np.float64)
+    abar_train = np.cumprod(1.0 - betas_train)
+    kept = np.round(np.linspace(0, 999, steps)).astype(np.int64)  # ADM's space_timesteps(1000, [steps])
+    abar = abar_train[kept]
+    abar_prev = np.append(1.0, abar[:-1])
+    beta = 1.0 - abar / abar_prev
+    post_var = beta * (1.0 - abar_prev) / (1.0 - abar)
+    log_post = np.log(np.append(post_var[1], post_var[1:]))
+    gens = [sample_generator(seed, i) for i in indices]
+    x = draw_noise(gens, SHAPE).double()
+    for i in reversed(range(steps)):
+        out = model_fn(x.float(), torch.full((len(indices),), int(kept[i]))).double()
+        eps, v = out[:, :1], out[:, 1:]
+        noise = draw_noise(gens, SHAPE).double()
+        x0 = np.sqrt(1.0 / abar[i]) * x - np.sqrt(1.0 / abar[i] - 1.0) * eps
+        if sampler == "ddpm":
+            mean = (beta[i] * np.sqrt(abar_prev[i]) / (1.0 - abar[i])) * x0 \
+                + ((1.0 - abar_prev[i]) * np.sqrt(1.0 - beta[i]) / (1.0 - abar[i])) * x
+            frac = (v + 1.0) / 2.0
+            log_var = frac * np.log(beta[i]) + (1.0 - frac) * log_post[i]
+            x = mean + (i > 0) * torch.exp(0.5 * log_var) * noise
+        else:
+            sigma = eta * np.sqrt((1 - abar_prev[i]) / (1 - abar[i])) * np.sqrt(1 - abar[i] / abar_prev[i])
+            x = np.sqrt(abar_prev[i]) * x0 + np.sqrt(1 - abar_prev[i] - sigma ** 2) * eps + (i > 0) * sigma * noise
+    return x
+
+
+@pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 0.7)])
+def test_reverse_chain_matches_direct_restatement(tiny, sampler, eta):
+    model, spec, weights = load_model(tiny, {})
+    assert (spec.name, spec.topology, spec.num_classes, weights) == ("DiT-S/4", "siamese", 5, "weights")
+    labels, indices = torch.tensor([0, 3, 4]), [0, 7, 12]
+    fn = model_fn_for(model, labels)
+    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=6)
+    ours = sample_loop(fn, diffusion, [sample_generator(0, i) for i in indices], SHAPE, sampler, eta)
+    direct = restated_chain(fn, 6, indices, sampler, eta)
+    assert ours.abs().max() > 0.1
+    torch.testing.assert_close(ours.double(), direct, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 1.0)])
+def test_exact_denoiser_of_a_point_mass_lands_on_it(sampler, eta):
+    """With the exact epsilon of data that is a single point c, every sampler must end exactly at c."""
+    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=10)
+    abar_train = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0)
+    c = torch.linspace(-0.8, 0.8, 64, dtype=torch.float64).reshape(1, 1, 8, 8)
+
+    def exact_eps(x, t):
+        a = abar_train[t].reshape(-1, 1, 1, 1)
+        eps = (x.double() - a.sqrt() * c) / (1 - a).sqrt()
+        return torch.cat([eps, torch.zeros_like(eps)], 1).float()  # v = 0: mid-range variance
+
+    out = sample_loop(exact_eps, diffusion, [sample_generator(1, i) for i in range(3)], SHAPE, sampler, eta)
+    torch.testing.assert_close(out.double(), c.expand(3, -1, -1, -1), atol=1e-4, rtol=0)
+
+
+def test_guidance_at_scale_one_equals_unguided_and_guides_only_the_chosen_channels(tiny):
+    model, _, _ = load_model(tiny, {})
+    x = torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(0))
+    t, labels = torch.tensor([10, 500, 999]), torch.tensor([1, 2, 3])
+    plain = model(x, t, labels)
+    assert torch.equal(model_fn_for(model, labels, 1.0)(x, t), plain)
+    torch.testing.assert_close(guided_model_fn(model, labels, 1.0, "all")(x, t), plain, atol=1e-5, rtol=1e-5)
+    strong = guided_model_fn(model, labels, 4.0, "all")(x, t)
+    assert not torch.allclose(strong[:, :1], plain[:, :1], atol=1e-3)
+    torch.testing.assert_close(strong[:, 1:], plain[:, 1:])  # the variance channel is not guided
+    no_null = save_tiny(tiny.parent / "no_null.safetensors", class_dropout_prob=0.0)
+    model, _, _ = load_model(no_null, {})
+    with pytest.raises(Exception, match="needs a null class"):
+        model_fn_for(model, labels, 1.5)
+
+
+def sample_args(ckpt, out_dir, *extra):
+    return ["--checkpoint", str(ckpt), "--num-samples", "10", "--out-dir", str(out_dir), "--batch-size", "4",
+            "--steps", "4", "--seed", "3", "--quiet", *map(str, extra)]
+
+
+def test_two_processes_give_the_same_exact_balanced_set_and_runs_resume(tiny, tmp_path):
+    one = main(sample_args(tiny, tmp_path / "one", "--format", "both"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+           "-m", "diffusion.sample", *sample_args(tiny, tmp_path / "two")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    a, b = np.load(tmp_path / "one" / "samples.npz"), np.load(tmp_path / "two" / "samples.npz")
+    assert a["arr_0"].shape == (10, 8, 8, 1) and a["arr_0"].dtype == np.uint8
+    np.testing.assert_array_equal(a["arr_0"], b["arr_0"])
+    np.testing.assert_array_equal(a["arr_1"], b["arr_1"])
+    assert np.bincount(a["arr_1"], minlength=5).tolist() == [2] * 5
+    assert len({img.tobytes() for img in a["arr_0"]}) == 10  # no duplicates
+    protocol = read_sampling_protocol(tmp_path / "two" / "samples.npz")
+    assert protocol["num_processes"] == 2 and protocol["num_samples"] == 10 and protocol["steps"] == 4
+    assert one["protocol"]["num_processes"] == 1
+    # the PNG folder holds the same images, and its protocol is where diffusion.fid looks for it
+    pngs = torch.cat(list(open_images(tmp_path / "one" / "images").batches(10)))
+    assert torch.equal(pngs[:, :1], torch.from_numpy(a["arr_0"]).permute(0, 3, 1, 2))
+    assert read_sampling_protocol(tmp_path / "one" / "images")["seed"] == 3
+
+    # resume: finished chunks are kept (not rewritten), a lost one is regenerated identically
+    chunks = sorted((tmp_path / "one" / "chunks").glob("chunk_*.npz"))
+    assert len(chunks) == 3
+    kept = chunks[0].stat().st_mtime_ns
+    chunks[1].unlink()
+    (tmp_path / "one" / "samples.npz").unlink()
+    main(sample_args(tiny, tmp_path / "one"))
+    assert chunks[0].stat().st_mtime_ns == kept
+    np.testing.assert_array_equal(np.load(tmp_path / "one" / "samples.npz")["arr_0"], a["arr_0"])
+    with pytest.raises(SystemExit, match="other settings.*cfg_scale"):
+        main(sample_args(tiny, tmp_path / "one", "--cfg-scale", "2"))
+
+
+def test_grid_through_a_tiny_vae_and_clear_errors(tmp_path):
+    from diffusers import AutoencoderKL
+    from PIL import Image
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4)
+    vae.save_pretrained(tmp_path / "vae")
+    ckpt = save_tiny(tmp_path / "latent.safetensors", in_channels=4, autoencoder=str(tmp_path / "vae"))
+    out = main(["--checkpoint", str(ckpt), "--grid", str(tmp_path / "grid.png"), "--labels", "0,1,2,3,4,4",
+                "--steps", "3", "--cfg-scale", "1.5", "--nrow", "3", "--quiet"])
+    assert out["labels"] == [0, 1, 2, 3, 4, 4]
+    with Image.open(tmp_path / "grid.png") as grid:  # 2 rows x 3 images of 8 px, torchvision's 2 px padding
+        assert grid.size == (3 * 10 + 2, 2 * 10 + 2)
+
+    with pytest.raises(SystemExit, match=r"--labels \[7\] are outside \[0, 5\)"):
+        main(["--checkpoint", str(ckpt), "--grid", str(tmp_path / "g.png"), "--labels", "7", "--steps", "2"])
+    plain = tmp_path / "plain.pt"
+    torch.save(DiT(input_size=8, patch_size=4, in_channels=1, num_classes=5, **TINY).state_dict(), plain)
+    with pytest.raises(SystemExit, match="pass --model"):
+        main(["--checkpoint", str(plain), "--grid", str(tmp_path / "g.png")])
+    with pytest.raises(SystemExit, match="checkpoint does not match DiT"):  # right name, wrong sizes
+        main(["--checkpoint", str(plain), "--model", "DiT-S/4", "--image-size", "8", "--vae", "none",
+              "--num-classes", "5", "--grid", str(tmp_path / "g.png")])
+    with pytest.raises(SystemExit, match="choose one output"):
+        main(["--checkpoint", str(ckpt)])
+    with pytest.raises(SystemExit, match="cannot load the VAE"):
+        main(["--checkpoint", str(ckpt), "--vae", str(tmp_path / "no_vae"), "--grid", str(tmp_path / "g.png")])
+
+
+def test_training_checkpoints_sample_their_ema_weights(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    ema = load_file(tiny)
+    raw = {k: v + 1.0 for k, v in ema.items()}
+    config = {"model": {"name": "DiT-S/4", "topology": "siamese", "learn_sigma": True, "class_dropout_prob": 0.1,
+                        "kwargs": TINY},
+              "data": {"dataset": "fashion_mnist", "autoencoder": "none", "image_size": 8, "num_classes": 5}}
+    torch.save({"model": raw, "ema": ema, "config": config, "step": 7}, tmp_path / "step_0000007.pt")
+    model, spec, weights = load_model(tmp_path / "step_0000007.pt", {})
+    assert weights == "ema" and (spec.in_channels, spec.input_size, spec.autoencoder) == (1, 8, "none")
+    assert torch.equal(model.state_dict()["final_layer.linear.weight"], ema["final_layer.linear.weight"])
+    model, _, weights = load_model(tmp_path / "step_0000007.pt", {}, weights="model")
+    assert weights == "model"
+    assert torch.equal(model.state_dict()["final_layer.linear.weight"], raw["final_layer.linear.weight"])
