@@ -43,16 +43,20 @@ def read_metrics(path: Union[str, os.PathLike]) -> list:
 
 
 class MetricsLogger:
-    """Append metrics to ``run_dir/metrics.jsonl`` and to accelerate's trackers, on the main process."""
+    """Append metrics to ``run_dir/metrics.jsonl`` and to accelerate's trackers, on the main process.
 
-    def __init__(self, accelerator, run_dir: Union[str, os.PathLike], config: Optional[Mapping] = None):
+    ``fresh=True`` starts a new file (a run started over); otherwise records are appended (a resumed run).
+    """
+
+    def __init__(self, accelerator, run_dir: Union[str, os.PathLike], config: Optional[Mapping] = None,
+                 fresh: bool = False):
         self.accelerator = accelerator
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = accelerator.is_main_process
         self._file = None
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            self._file = open(self.path, "w" if fresh else "a", buffering=1)
         if accelerator.log_with:
             hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in (config or {}).items()}
             accelerator.init_trackers(TRACKER_NAME, config=hparams)

@@ -91,3 +91,5 @@ def test_metrics_logger_writes_jsonl(tmp_path):
     logger.close()
     (record,) = read_metrics(tmp_path)
     assert record["step"] == 3 and record["loss"] == 1.5 and record["bad"] == "nan"
+    MetricsLogger(Accelerator(cpu=True), tmp_path, fresh=True).close()  # a run started over
+    assert read_metrics(tmp_path) == []

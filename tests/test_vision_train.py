@@ -16,7 +16,7 @@ from vision import evaluate as vision_evaluate
 from vision.train import TrainConfig, main, train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.num_workers=0",
+TINY = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32", "data.num_workers=0",
         "train.tensorboard=false", "train.eval_batch_size=200", "train.threads=1"]
 torch.set_num_threads(1)  # tiny models: one thread is faster, and immune to a busy machine
 

@@ -111,7 +111,8 @@ def run(cfg: EvalConfig) -> dict:
     accelerator = build_accelerator(cfg.precision, run_dir=None, tensorboard=False)
     model = build_model(cfg.model, cfg.data)
     if cfg.checkpoint:
-        load_weights(model, cfg.checkpoint, key=cfg.weights if cfg.checkpoint.endswith(".pt") and cfg.weights == "ema" else None)
+        # weights=ema picks the "ema" entry of a training checkpoint (for a run's EMA file use ema.safetensors)
+        load_weights(model, cfg.checkpoint, key="ema" if cfg.weights == "ema" else None)
     dataset = build_dataset(cfg.data, "val", transform=build_transform(cfg.data, training=False))
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.data.num_workers)
     model, loader = accelerator.prepare(model, loader)

@@ -165,7 +165,8 @@ def train(cfg: TrainConfig) -> dict:
         accelerator.print(f"resumed from {path} at step {step}/{total_steps}")
     scheduler.step_update(step)
 
-    logger = MetricsLogger(accelerator, run_dir, config=flatten(config_to_dict(cfg)) if cfg.train.tensorboard else None)
+    logger = MetricsLogger(accelerator, run_dir, config=flatten(config_to_dict(cfg)) if cfg.train.tensorboard else None,
+                           fresh=resumed is None)
     if step == 0:
         logger.log({"params": n_params, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                     "world_size": world, "lr_peak": cfg.optim.lr}, step=0)
