@@ -17,11 +17,21 @@ Topologies (per block):
 
   norms named ``pre_norm{i}``, ``post_norm{i}``, ``input_norm{i}`` as in the public SiameseNorm DeiT.
 
-Model-level topologies add ``mixln`` (Mix-LN: Post-Norm in the first ``k`` blocks, Pre-Norm after);
-:func:`block_topologies` resolves a model topology into one block topology per depth.
+Baselines on the same block:
 
-A stream *state* is a tensor for the single-stream topologies and a tuple ``(X, Y)`` for Siamese;
-:func:`init_streams` creates it from the embedding and :class:`SiameseFusion` / :func:`build_fusion`
+* ``residual`` -- ResiDual (Xie et al. 2023): ``Z <- F(X); X <- LN(X + Z); Y <- Y + Z``, output
+  ``X + LN(Y)`` (:class:`ResiDualFusion`); both streams start as the embedding.  (norm ``norm{i}``)
+* ``sandwich`` -- Peri-LN / Sandwich-LN: ``Y <- Y + LN_out(F(LN(Y)))``.  (norms ``norm{i}``, ``out_norm{i}``)
+* ``deepnorm`` -- DeepNorm (Wang et al. 2022): ``X <- LN(alpha X + F(X))``, ``alpha = (2N)^(1/4)`` for ``N``
+  blocks; the model scales its value/output/MLP weights by :func:`deepnorm_beta` at init.
+
+Model-level topologies add ``mixln`` (Mix-LN: Post-Norm in the first ``k`` blocks, Pre-Norm after),
+``layerscale`` (Pre-Norm with a learned per-channel gain on each update, CaiT) and ``dyt`` (Pre-Norm with
+:class:`DyT` in place of every LayerNorm); :func:`block_topologies` resolves a model topology into one
+block topology per depth, and the model applies the LayerScale gain or the DyT norm.
+
+A stream *state* is a tensor for the single-stream topologies and a tuple ``(X, Y)`` for the two-stream
+ones (Siamese, ResiDual); :func:`init_streams` creates it from the embedding and :func:`build_fusion`
 turns the final state into the features the head reads.
 """
 from __future__ import annotations
@@ -36,8 +46,11 @@ Tensor = torch.Tensor
 StreamState = Union[Tensor, Tuple[Tensor, Tensor]]
 Sublayer = Callable[[Tensor], Tensor]
 
-BLOCK_TOPOLOGIES = ("pre", "post", "siamese")
-MODEL_TOPOLOGIES = ("pre", "post", "siamese", "mixln")
+BLOCK_TOPOLOGIES = ("pre", "post", "siamese", "residual", "sandwich", "deepnorm")
+TWO_STREAM_TOPOLOGIES = ("siamese", "residual")
+MODEL_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt")
+# Model topologies that are Pre-Norm blocks plus something the model adds (a gain, a norm).
+_PRE_NORM_VARIANTS = ("layerscale", "dyt")
 LN_EPS = 1e-6
 
 
@@ -55,6 +68,8 @@ def default_mixln_post_blocks(depth: int) -> int:
 def block_topologies(topology: str, depth: int, mixln_post_blocks: Optional[int] = None) -> list:
     """Resolve a model-level topology into the topology of each of ``depth`` blocks."""
     check_topology(topology)
+    if topology in _PRE_NORM_VARIANTS:
+        return ["pre"] * depth
     if topology != "mixln":
         return [topology] * depth
     k = default_mixln_post_blocks(depth) if mixln_post_blocks is None else int(mixln_post_blocks)
@@ -68,9 +83,48 @@ def depth_scale(layer_index: int, enabled: bool = True) -> float:
     return math.sqrt(2.0 * (layer_index + 1)) if enabled else 1.0
 
 
+def deepnorm_alpha(num_blocks: int) -> float:
+    """DeepNorm's residual up-weighting ``(2N)^(1/4)`` for an encoder of ``N`` blocks."""
+    return (2.0 * num_blocks) ** 0.25
+
+
+def deepnorm_beta(num_blocks: int) -> float:
+    """DeepNorm's init gain ``(8N)^(-1/4)`` for the value, output and MLP weights of an ``N``-block encoder."""
+    return (8.0 * num_blocks) ** -0.25
+
+
+@torch.no_grad()
+def deepnorm_init_(blocks: Sequence[nn.Module]) -> None:
+    """DeepNorm's init for blocks with timm-style sublayers (``attn.qkv``, ``attn.proj``, ``mlp.fc1/fc2``):
+    scale the value, output and MLP weights (not query and key) by ``(8N)^(-1/4)``."""
+    gain = deepnorm_beta(len(blocks))
+    for block in blocks:
+        dim = block.attn.proj.weight.shape[0]
+        block.attn.qkv.weight[2 * dim:].mul_(gain)
+        for linear in (block.attn.proj, block.mlp.fc1, block.mlp.fc2):
+            linear.weight.mul_(gain)
+
+
 def init_streams(x: Tensor, topology: str) -> StreamState:
-    """Both Siamese streams start as the same embedding; other topologies carry one stream."""
-    return (x, x) if topology == "siamese" else x
+    """Both streams of a two-stream topology start as the same embedding; others carry one stream."""
+    return (x, x) if topology in TWO_STREAM_TOPOLOGIES else x
+
+
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al. 2025), a drop-in LayerNorm replacement: ``weight * tanh(alpha x) + bias``.
+
+    Not in timm or torch, hence written here. ``alpha`` is one learned scalar (init 0.5).
+    """
+
+    def __init__(self, dim: int, alpha_init: float = 0.5, affine: bool = True, eps: float = 0.0, **kwargs):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init), **kwargs))
+        self.weight = nn.Parameter(torch.ones(dim, **kwargs)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **kwargs)) if affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.alpha * x)
+        return x * self.weight + self.bias if self.weight is not None else x
 
 
 def default_norm(dim: int) -> nn.Module:
@@ -95,6 +149,7 @@ class ResidualBlock(nn.Module):
             ``LN_in``). Defaults to ``norm_layer``; DiT passes a non-affine LayerNorm and applies its
             adaLN modulation inside the sublayer function.
         drop_path: stochastic-depth rate applied once to each sublayer output ``Z``.
+        num_blocks: DeepNorm only; the model's depth ``N`` (sets ``alpha = (2N)^(1/4)``).
     """
 
     def __init__(
@@ -108,6 +163,7 @@ class ResidualBlock(nn.Module):
         norm_layer: Callable[[int], nn.Module] = default_norm,
         input_norm_layer: Optional[Callable[[int], nn.Module]] = None,
         drop_path: float = 0.0,
+        num_blocks: Optional[int] = None,
     ):
         super().__init__()
         check_topology(topology, BLOCK_TOPOLOGIES)
@@ -115,11 +171,16 @@ class ResidualBlock(nn.Module):
         self.layer_index = layer_index
         self.normalized_input = normalized_input
         self.depth_scale = depth_scale(layer_index, depth_scaling) if topology == "siamese" else 1.0
+        if topology == "deepnorm" and not num_blocks:
+            raise ValueError("the deepnorm topology needs num_blocks (the model depth) to set alpha = (2N)^(1/4)")
+        self.residual_scale = deepnorm_alpha(num_blocks) if topology == "deepnorm" else 1.0
         input_norm_layer = input_norm_layer or norm_layer
         for i in (1, 2):
-            if topology == "pre":
+            if topology in ("pre", "sandwich"):
                 setattr(self, f"norm{i}", input_norm_layer(dim))
-            elif topology == "post":
+                if topology == "sandwich":
+                    setattr(self, f"out_norm{i}", norm_layer(dim))
+            elif topology in ("post", "residual", "deepnorm"):
                 setattr(self, f"norm{i}", norm_layer(dim))
             else:
                 setattr(self, f"pre_norm{i}", norm_layer(dim))
@@ -138,7 +199,16 @@ class ResidualBlock(nn.Module):
         if self.topology == "post":
             norm = getattr(self, f"norm{index}")
             return norm(state + self.drop_path(sublayer(state)))
+        if self.topology == "sandwich":
+            z = getattr(self, f"out_norm{index}")(sublayer(getattr(self, f"norm{index}")(state)))
+            return state + self.drop_path(z)
+        if self.topology == "deepnorm":
+            norm = getattr(self, f"norm{index}")
+            return norm(state * self.residual_scale + self.drop_path(sublayer(state)))
         x, y = state
+        if self.topology == "residual":
+            z = self.drop_path(sublayer(x))
+            return getattr(self, f"norm{index}")(x + z), y + z
         x = getattr(self, f"post_norm{index}")(x)
         mixed = x + getattr(self, f"pre_norm{index}")(y)
         z = self.drop_path(sublayer(getattr(self, f"input_norm{index}")(mixed)))
@@ -148,6 +218,8 @@ class ResidualBlock(nn.Module):
         s = f"topology={self.topology}, layer_index={self.layer_index}"
         if self.topology == "siamese":
             s += f", normalized_input={self.normalized_input}, depth_scale={self.depth_scale:.4f}"
+        if self.topology == "deepnorm":
+            s += f", alpha={self.residual_scale:.4f}"
         return s
 
 
@@ -168,6 +240,18 @@ class SiameseFusion(nn.Module):
         return self.norm_out(self.norm_x(x) + self.norm_y(y))
 
 
+class ResiDualFusion(nn.Module):
+    """ResiDual's output ``X + LN(Y)``: the Post-Norm stream plus the normalised accumulation."""
+
+    def __init__(self, dim: int, norm_layer: Callable[[int], nn.Module] = default_norm):
+        super().__init__()
+        self.norm_y = norm_layer(dim)
+
+    def forward(self, state: Tuple[Tensor, Tensor]) -> Tensor:
+        x, y = state
+        return x + self.norm_y(y)
+
+
 def build_fusion(
     dim: int,
     topology: str,
@@ -178,15 +262,17 @@ def build_fusion(
 ) -> nn.Module:
     """The module between the last block and the head.
 
-    * siamese: :class:`SiameseFusion`;
-    * a model whose last block is Pre-Norm (``pre``, ``mixln``): the usual final LayerNorm when
-      ``final_norm`` (key ``norm.weight``, as timm), else identity;
-    * a model whose last block is Post-Norm: identity, the stream is already normalised.
+    * siamese: :class:`SiameseFusion`; residual: :class:`ResiDualFusion`;
+    * a model whose last block is Pre-Norm-like (``pre``, ``mixln``, ``sandwich``, ``layerscale``, ``dyt``):
+      the usual final norm when ``final_norm`` (key ``norm.weight``, as timm), else identity;
+    * a model whose last block is Post-Norm-like (``post``, ``deepnorm``): identity, already normalised.
     """
     check_topology(topology)
     if topology == "siamese":
         return SiameseFusion(dim, norm_layer, final_norm=final_norm)
-    last = last_block_topology or ("pre" if topology == "mixln" else topology)
-    if last == "pre" and final_norm:
+    if topology == "residual":
+        return ResiDualFusion(dim, norm_layer)
+    last = last_block_topology or ("pre" if topology == "mixln" else block_topologies(topology, 1)[0])
+    if last in ("pre", "sandwich") and final_norm:
         return norm_layer(dim)
     return nn.Identity()

@@ -14,6 +14,11 @@ is the block's non-affine input LayerNorm output (METHOD.md section 3):
   with affine ``pre_norm{i}/post_norm{i}`` and a non-affine ``input_norm{i}``; after the last block
   ``fusion = LN_x(X) + LN_y(Y)`` feeds the final layer.
 * ``mixln``   -- ``post`` blocks first, ``pre`` blocks after (:func:`common.residual.block_topologies`).
+* ``residual`` (ResiDual) and ``deepnorm`` -- baselines from :mod:`common.residual`, with the gated sublayer.
+
+Not offered for DiT: ``sandwich`` (a LayerNorm on the gated output would rescale away adaLN-Zero's
+gate), ``layerscale`` (the adaLN gate already is a learned per-channel gain on each update, zero at
+init) and ``dyt`` (DiT's input norms are non-affine and modulated; a DyT variant is a separate study).
 
 Usage::
 
@@ -33,7 +38,17 @@ from torch.utils.checkpoint import checkpoint
 from timm.layers import Attention, Mlp, PatchEmbed
 
 from common.checkpoint import convert_state_dict
-from common.residual import LN_EPS, ResidualBlock, block_topologies, build_fusion, check_topology, init_streams
+from common.residual import (
+    LN_EPS,
+    ResidualBlock,
+    block_topologies,
+    build_fusion,
+    check_topology,
+    deepnorm_init_,
+    init_streams,
+)
+
+DIT_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "deepnorm")
 
 Tensor = torch.Tensor
 
@@ -162,7 +177,7 @@ class DiT(nn.Module):
         class_dropout_prob: label dropout for classifier-free guidance (null class id ``num_classes``).
         num_classes: number of classes (1000 for ImageNet).
         learn_sigma: output ``2*in_channels`` channels (epsilon and the variance interpolation).
-        topology: ``pre`` (the published DiT), ``post``, ``siamese`` or ``mixln``.
+        topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual`` or ``deepnorm``.
         normalized_input, depth_scaling: SiameseNorm's ``LN_in`` and ``1/sqrt(2(l+1))`` (paper Table 3).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default a quarter of depth).
     """
@@ -185,7 +200,7 @@ class DiT(nn.Module):
         mixln_post_blocks: Optional[int] = None,
     ):
         super().__init__()
-        check_topology(topology)
+        check_topology(topology, DIT_TOPOLOGIES)
         if input_size % patch_size:
             raise ValueError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
                              "pick a latent size that is a multiple of the patch size")
@@ -209,7 +224,7 @@ class DiT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList(
             DiTBlock(hidden_size, num_heads, mlp_ratio, layer_index=i, topology=block_topology,
-                     normalized_input=normalized_input, depth_scaling=depth_scaling)
+                     normalized_input=normalized_input, depth_scaling=depth_scaling, num_blocks=depth)
             for i, block_topology in enumerate(self.block_topologies)
         )
         self.fusion = build_fusion(hidden_size, topology, last_block_topology=self.block_topologies[-1],
@@ -240,6 +255,8 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
         nn.init.zeros_(self.final_layer.linear.weight)
         nn.init.zeros_(self.final_layer.linear.bias)
+        if self.topology == "deepnorm":
+            deepnorm_init_(self.blocks)
 
     def set_grad_checkpointing(self, enable: bool = True):
         """Recompute each block in the backward pass (saves activation memory, costs ~one more forward)."""

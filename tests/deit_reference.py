@@ -106,3 +106,45 @@ def public_siamese_deit_state_dict(*, depth, dim, num_heads, patch_size, img_siz
         else:
             sd[name] = 0.1 * torch.randn(shape, generator=g)
     return sd
+
+
+def _dyt(sd, name, x):
+    return torch.tanh(sd[f"{name}.alpha"] * x) * sd[f"{name}.weight"] + sd[f"{name}.bias"]
+
+
+def baseline_deit_forward(sd, images, topology, *, depth, num_heads, patch_size):
+    """Logits of the baseline topologies, restated from their papers, over our state-dict names.
+
+    pre: Y + F(LN Y); post: LN(X + F X); sandwich (Peri-LN): Y + LN_out(F(LN Y));
+    deepnorm: LN(alpha X + F X), alpha = (2N)^(1/4); layerscale: Y + gamma * F(LN Y);
+    dyt: Pre-Norm with tanh(alpha x) * w + b for every LayerNorm;
+    residual (ResiDual): Z = F(X), X <- LN(X + Z), Y <- Y + Z, output X + LN(Y).
+    """
+    norm = _dyt if topology == "dyt" else _ln
+    x = y = embed(sd, images, patch_size)
+    alpha = (2 * depth) ** 0.25
+    for l in range(depth):
+        p = f"blocks.{l}"
+        for i, sublayer in ((1, lambda h: _attention(sd, f"{p}.attn", h, num_heads)), (2, lambda h: _mlp(sd, f"{p}.mlp", h))):
+            if topology in ("pre", "dyt"):
+                y = y + sublayer(norm(sd, f"{p}.norm{i}", y))
+            elif topology == "layerscale":
+                y = y + sd[f"{p}.ls{i}.gamma"] * sublayer(_ln(sd, f"{p}.norm{i}", y))
+            elif topology == "sandwich":
+                y = y + _ln(sd, f"{p}.out_norm{i}", sublayer(_ln(sd, f"{p}.norm{i}", y)))
+            elif topology == "post":
+                y = _ln(sd, f"{p}.norm{i}", y + sublayer(y))
+            elif topology == "deepnorm":
+                y = _ln(sd, f"{p}.norm{i}", alpha * y + sublayer(y))
+            elif topology == "residual":
+                z = sublayer(x)
+                x, y = _ln(sd, f"{p}.norm{i}", x + z), y + z
+            else:
+                raise ValueError(topology)
+    if topology == "residual":
+        h = x + _ln(sd, "norm.norm_y", y)
+    elif topology in ("post", "deepnorm"):
+        h = y
+    else:
+        h = norm(sd, "norm", y)
+    return _linear(sd, "head", h[:, 0])

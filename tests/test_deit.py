@@ -137,8 +137,8 @@ def test_timm_keyword_overrides_and_unknown_topology():
     )
     assert model(torch.randn(2, 3, 64, 64)).shape == (2, 7)
     assert len(model.blocks) == 3 and model.blocks[2].drop_path.drop_prob == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="valid topologies are pre, post, siamese, mixln"):
-        timm.create_model("deit_tiny_siamese_patch16_224", topology="sandwich", **SMALL)
+    with pytest.raises(ValueError, match="valid topologies are pre, post, siamese, mixln, residual"):
+        timm.create_model("deit_tiny_siamese_patch16_224", topology="bogus", **SMALL)
 
 
 @pytest.mark.parametrize("topology", ["siamese", "post"])
@@ -162,3 +162,34 @@ def test_compiles_without_graph_breaks(images):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(images), model(images), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("topology", ["residual", "sandwich", "deepnorm", "layerscale", "dyt", "post", "pre"])
+def test_baseline_topologies_equal_their_restatement(topology, images):
+    from tests.deit_reference import baseline_deit_forward
+
+    model = timm.create_model(f"deit_tiny_{topology}_patch16_224" if topology != "pre" else "deit_tiny_patch16_224",
+                              **SMALL).eval()
+    randomize_(model)
+    with torch.no_grad():
+        ours = model(images)
+        ref = baseline_deit_forward(model.state_dict(), images, topology, depth=4, num_heads=3, patch_size=4)
+    assert (ours - ref).abs().max().item() <= 1e-5
+
+
+def test_baseline_inits():
+    ls = timm.create_model("deit_tiny_layerscale_patch16_224", **SMALL)
+    assert torch.all(ls.blocks[0].ls1.gamma == 1e-5)
+    deep = timm.create_model("deit_tiny_deepnorm_patch16_224", **SMALL)
+    assert deep.blocks[0].residual_scale == pytest.approx(8 ** 0.25)
+    torch.manual_seed(0)
+    pre = timm.create_model("deit_tiny_post_patch16_224", **SMALL)
+    torch.manual_seed(0)
+    deep = timm.create_model("deit_tiny_deepnorm_patch16_224", **SMALL)
+    beta = 32 ** -0.25
+    torch.testing.assert_close(deep.blocks[1].mlp.fc2.weight, beta * pre.blocks[1].mlp.fc2.weight)
+    torch.testing.assert_close(deep.blocks[1].attn.qkv.weight[:96], pre.blocks[1].attn.qkv.weight[:96])  # q, k kept
+    torch.testing.assert_close(deep.blocks[1].attn.qkv.weight[96:], beta * pre.blocks[1].attn.qkv.weight[96:])
+    dyt = timm.create_model("deit_tiny_dyt_patch16_224", **SMALL)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in dyt.modules())
+    assert torch.all(dyt.blocks[0].norm1.alpha == 0.5)

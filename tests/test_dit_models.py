@@ -174,16 +174,26 @@ def reference_forward(sd, x, t, y, topologies, num_heads, patch_size):
                 X, Y = X + Z / math.sqrt(2 * (l + 1)), Y + Z
             elif topology == "pre":
                 X = Y = Y + f(ln(Y))
+            elif topology == "residual":  # ResiDual: the Post-Norm stream feeds F, Y accumulates
+                Z = f(X)
+                X, Y = ln(X + Z, f"{b}norm{i}"), Y + Z
+            elif topology == "deepnorm":
+                X = Y = ln((2 * len(topologies)) ** 0.25 * Y + f(Y), f"{b}norm{i}")
             else:
                 X = Y = ln(Y + f(Y), f"{b}norm{i}")
-    H = ln(X, "fusion.norm_x") + ln(Y, "fusion.norm_y") if topologies[0] == "siamese" else Y
+    if topologies[0] == "siamese":
+        H = ln(X, "fusion.norm_x") + ln(Y, "fusion.norm_y")
+    elif topologies[0] == "residual":
+        H = X + ln(Y, "fusion.norm_y")
+    else:
+        H = Y
     shift, scale = lin(F.silu(c), "final_layer.adaLN_modulation.1").chunk(2, dim=1)
     out = lin(ln(H) * (1 + scale[:, None]) + shift[:, None], "final_layer.linear")
     n, side, p = x.shape[0], x.shape[-1] // patch_size, patch_size
     return out.reshape(n, side, side, p, p, -1).permute(0, 5, 1, 3, 2, 4).reshape(n, -1, side * p, side * p)
 
 
-@pytest.mark.parametrize("topology", ["siamese", "post", "mixln"])
+@pytest.mark.parametrize("topology", ["siamese", "post", "mixln", "residual", "deepnorm"])
 def test_forward_equals_functional_restatement(topology, inputs):
     model = randomize_(small(topology))
     if topology == "mixln":

@@ -25,7 +25,15 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import VisionTransformer
 
 from common.checkpoint import convert_state_dict
-from common.residual import ResidualBlock, block_topologies, build_fusion, check_topology, init_streams
+from common.residual import (
+    DyT,
+    ResidualBlock,
+    block_topologies,
+    build_fusion,
+    check_topology,
+    deepnorm_init_,
+    init_streams,
+)
 
 
 class DeiTBlock(ResidualBlock):
@@ -70,6 +78,7 @@ class DeiTBlock(ResidualBlock):
             depth_scaling=depth_scaling,
             norm_layer=partial(norm_layer, **dd),
             drop_path=drop_path,
+            num_blocks=len(topologies),
         )
         self.attn = attn_layer(
             dim,
@@ -110,7 +119,10 @@ class SiameseNormVisionTransformer(VisionTransformer):
     """timm ViT/DeiT whose blocks use a switchable residual topology.
 
     Args:
-        topology: ``siamese`` (default), ``pre``, ``post`` or ``mixln``.
+        topology: ``siamese`` (default), ``pre``, ``post``, ``mixln``, or a baseline: ``residual``
+            (ResiDual), ``sandwich`` (Peri-LN), ``deepnorm``, ``layerscale`` (Pre-Norm + LayerScale,
+            ``init_values`` default 1e-5, 1e-6 deeper than 18 blocks as in CaiT), ``dyt`` (Pre-Norm with
+            Dynamic Tanh for every LayerNorm). See :mod:`common.residual`.
         normalized_input: SiameseNorm's ``LN_in`` (paper Table 3 "Normalized Input").
         depth_scaling: SiameseNorm's ``1/sqrt(2(l+1))`` on the ``X`` update (Table 3 "Depth-wise Scaling").
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default: a quarter of depth).
@@ -130,6 +142,10 @@ class SiameseNormVisionTransformer(VisionTransformer):
         if kwargs.get("block_fn") is not None:
             raise ValueError("block_fn is set by SiameseNormVisionTransformer; choose a `topology` instead")
         depth = kwargs.get("depth", 12)
+        if topology == "layerscale" and not kwargs.get("init_values"):
+            kwargs["init_values"] = 1e-5 if depth <= 18 else 1e-6
+        if topology == "dyt":
+            kwargs["norm_layer"] = DyT
         topologies = block_topologies(topology, depth, mixln_post_blocks)
         block_fn = partial(
             DeiTBlock, topologies=topologies, normalized_input=normalized_input, depth_scaling=depth_scaling
@@ -146,6 +162,8 @@ class SiameseNormVisionTransformer(VisionTransformer):
             final_norm=not isinstance(self.norm, nn.Identity),
             norm_layer=norm_layer,
         )
+        if topology == "deepnorm":
+            deepnorm_init_(self.blocks)
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None or is_causal:
@@ -212,7 +230,7 @@ _SIZES = {
     "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
     "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
 }
-_TOPOLOGIES = ("siamese", "post", "mixln")
+_TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt")
 
 default_cfgs = generate_default_cfgs(
     {f"deit_{size}_{topo}_patch16_224": _cfg() for size in _SIZES for topo in _TOPOLOGIES}
