@@ -1,0 +1,557 @@
+"""Compare residual topologies (Pre-Norm, Post-Norm, SiameseNorm, ...) over learning rates, depths and seeds.
+
+    python -m scripts.compare --task deit --quick                       # ~15 min on 2 CPU cores
+    python -m scripts.compare --task deit                               # the overnight CPU preset
+    python -m scripts.compare --task deit --data /data/my_imagefolder --topologies pre siamese --lrs 1e-3 --seeds 0 1
+    python -m scripts.compare --task dit --quick --feature-weights ~/.cache/siamesenorm/fmnist_cnn.safetensors
+
+Every run trains through the real trainer (``vision.train.train`` / ``diffusion.train.train``, starting from
+``configs/fmnist_deit.yaml`` / ``configs/fmnist_dit.yaml``) in ``OUT/runs/<topology>_d<depth>_lr<lr>_s<seed>``,
+is evaluated by the real evaluator (Top-1 of ``vision.evaluate`` on the held-out split; for DiT, samples from
+``diffusion.sample`` scored by ``diffusion.fid`` with the Fashion-MNIST classifier features), and is diagnosed with
+``common.diagnostics``. A finished run leaves ``result.json`` and is not redone; an unfinished one continues
+from its last training checkpoint. ``OUT/report.md`` (``--report`` elsewhere) gets: mean +- std over seeds,
+paired differences to Pre-Norm, diverged runs (non-finite loss, or a loss that ends above its first logged
+value) and the step it happened, loss curves, the diagnostic plots, and a check of the paper's four claims.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_FILE = "result.json"
+DIAGNOSTICS_FILE = "diagnostics.json"
+
+# Presets: the DeiT ones start from configs/fmnist_deit.yaml (micro-DeiT, dim 64, patch 7), DiT from fmnist_dit.yaml.
+PRESETS = {
+    ("deit", True): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6], seeds=[0, 1],
+                         train_images=8000, epochs=1, val_images=2000, diag_images=500, log_every=5),
+    ("deit", False): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6, 12], seeds=[0, 1, 2],
+                          train_images=None, epochs=2, val_images=None, diag_images=2000, log_every=25),
+    ("dit", True): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4], seeds=[0],
+                        train_images=4000, steps=300, fid_samples=200, sample_steps=25, diag_images=64, log_every=10),
+    ("dit", False): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4, 8], seeds=[0, 1, 2],
+                         train_images=None, steps=4000, fid_samples=2000, sample_steps=100, diag_images=256,
+                         log_every=50),
+}
+METRIC = {"deit": ("top1", "Top-1 %", True), "dit": ("fid", "FID (fmnist-cnn)", False)}  # key, label, higher is better
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    topology: str
+    depth: int
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.topology}_d{self.depth}_lr{self.lr:g}_s{self.seed}"
+
+    @property
+    def setting(self) -> tuple:
+        return self.depth, self.lr
+
+
+# ----------------------------------------------------------------------------- divergence
+
+def _num(v) -> float:
+    return float(v)  # the logger writes non-finite numbers as "nan"/"inf" strings
+
+
+def loss_curve(records: Sequence[dict]) -> List[tuple]:
+    """``[(step, train loss)]`` of a metrics.jsonl, one point per logged step (the last record wins on a resume)."""
+    points = {int(r["step"]): _num(r["train/loss"]) for r in records if "train/loss" in r}
+    return sorted(points.items())
+
+
+def detect_divergence(records: Sequence[dict], error: Optional[str] = None) -> dict:
+    """Did a run diverge, and at which step?
+
+    Diverged means: the trainer stopped on non-finite losses (``error``), or a step had a non-finite loss or
+    gradient (``train/nonfinite_steps`` > 0 or a NaN/inf logged loss), or the last logged loss is above the
+    first logged one. The step is the first logged step with a non-finite loss/skip, else the first step from
+    which every logged loss stays above the first one.
+    """
+    curve = loss_curve(records)
+    for r in records:
+        bad_loss = "train/loss" in r and not math.isfinite(_num(r["train/loss"]))
+        skipped = _num(r.get("train/nonfinite_steps", 0)) > 0
+        if bad_loss or skipped:
+            return {"diverged": True, "step": int(r["step"]), "reason": "non-finite loss" + (" (run stopped)" if error else "")}
+    if error:
+        return {"diverged": True, "step": curve[-1][0] if curve else 0, "reason": f"run stopped: {error.splitlines()[0]}"}
+    if len(curve) >= 2 and curve[-1][1] > curve[0][1]:
+        start = curve[0][1]
+        step = curve[-1][0]
+        for s, loss in reversed(curve[1:]):
+            if loss <= start:
+                break
+            step = s
+        return {"diverged": True, "step": step, "reason": f"loss ended above its start ({curve[-1][1]:.3g} > {start:.3g})"}
+    return {"diverged": False, "step": None, "reason": ""}
+
+
+# ----------------------------------------------------------------------------- one run per task
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _imagefolder_overrides(path: str, image_size: int) -> List[str]:
+    root = Path(path)
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise SystemExit(f"error: --data {path}: expected an ImageFolder root with train/<class>/ and val/<class>/ "
+                         "(or pass fashion_mnist)")
+    classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+    return [f"data.path={path}", f"data.num_classes={len(classes)}", f"data.input_size={image_size}"]
+
+
+def deit_model_name(topology: str) -> str:
+    """timm's own DeiT is the Pre-Norm baseline; the others are registered by ``vision``."""
+    return "deit_tiny_patch16_224" if topology == "pre" else f"deit_tiny_{topology}_patch16_224"
+
+
+def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
+    from common.config import load_config
+    from common.logging import NonFiniteLossError
+    from vision.train import TrainConfig, train
+
+    overrides = [f"model.name={deit_model_name(spec.topology)}", f"model.kwargs.depth={spec.depth}",
+                 f"optim.base_lr={spec.lr}", f"train.seed={spec.seed}", f"train.output_dir={run_dir}",
+                 "train.tensorboard=false", f"train.threads={opts.threads}", f"optim.epochs={opts.epochs}",
+                 f"train.log_every={opts.log_every}", "train.resume=auto", "train.eval_every=0"]
+    overrides.append(f"data.max_train_samples={opts.train_images}" if opts.train_images else "data.max_train_samples=null")
+    overrides.append(f"data.max_val_samples={opts.val_images}" if opts.val_images else "data.max_val_samples=null")
+    if opts.data != "fashion_mnist":
+        size = opts.image_size
+        overrides += ["data.dataset=imagefolder", "data.mean=[0.485, 0.456, 0.406]", "data.std=[0.229, 0.224, 0.225]",
+                      f"model.kwargs.patch_size={max(1, size // 4)}"] + _imagefolder_overrides(opts.data, size)
+    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_deit.yaml", overrides + list(opts.set))
+    try:
+        final = train(cfg)
+    except NonFiniteLossError as err:
+        return {"error": str(err)}
+    if "stopped_at" in final:
+        return {"stopped_at": final["stopped_at"]}
+    return {"top1": final["val/top1"], "val_loss": final["val/loss"], "params": final["params"],
+            "steps": final["steps"], "peak_lr": cfg.optim.lr}
+
+
+def diagnose_deit(run_dir: Path, opts) -> dict:
+    from common.diagnostics import diagnose_deit_run
+
+    return diagnose_deit_run(run_dir, max_images=opts.diag_images, batch_size=min(250, opts.diag_images or 250))
+
+
+def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
+    from common.config import load_config
+    from common.logging import NonFiniteLossError
+    from diffusion import fid, sample
+    from diffusion.train import TrainConfig, train
+
+    if opts.data != "fashion_mnist":
+        raise SystemExit("error: --task dit compares on Fashion-MNIST pixels only (its FID features are the "
+                         "Fashion-MNIST classifier's); for latents use diffusion.train and diffusion.fid directly")
+    overrides = [f"model.topology={spec.topology}", f"model.kwargs.depth={spec.depth}", f"optim.lr={spec.lr}",
+                 f"train.seed={spec.seed}", f"train.output_dir={run_dir}", "train.tensorboard=false",
+                 f"train.threads={opts.threads}", f"optim.steps={opts.steps}", f"train.log_every={opts.log_every}",
+                 "train.resume=auto", "train.sample_every=0"]
+    if opts.train_images:
+        overrides.append(f"data.max_samples={opts.train_images}")
+    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_dit.yaml", overrides + list(opts.set))
+    try:
+        final = train(cfg)
+    except NonFiniteLossError as err:
+        return {"error": str(err)}
+    if "stopped_at" in final:
+        return {"stopped_at": final["stopped_at"]}
+    samples_dir = run_dir / "fid_samples"
+    sample.main(["--checkpoint", str(run_dir / "ema.safetensors"), "--num-samples", str(opts.fid_samples),
+                 "--out-dir", str(samples_dir), "--steps", str(opts.sample_steps), "--seed", "0", "--quiet"])
+    fid_args = ["--samples", str(samples_dir / "samples.npz"), "--reference", "fashion-mnist:test",
+                "--feature-extractor", "fmnist-cnn", "--num-workers", "0", "--quiet",
+                "--out", str(run_dir / "fid.json")]
+    if opts.feature_weights:
+        fid_args += ["--extractor-weights", str(opts.feature_weights)]
+    scores = fid.main(fid_args)
+    return {"fid": scores.get("frechet_inception_distance", scores.get("fid")), "params": final.get("params"),
+            "steps": final.get("steps"), "peak_lr": spec.lr}
+
+
+def diagnose_dit(run_dir: Path, opts) -> dict:
+    """Stream norms, layer removal (diffusion loss at fixed t and noise) and stream contribution of the EMA DiT."""
+    import torch
+
+    from common.diagnostics import grad_norm_trace, hidden_state_norms, layer_removal, stream_contribution
+    from diffusion.gaussian_diffusion import GaussianDiffusion
+    from diffusion.sample import load_model
+    from vision.data import DataConfig, build_dataset
+
+    model, spec, _ = load_model(run_dir / "ema.safetensors")
+    model.eval()
+    n = opts.diag_images
+    images = build_dataset(DataConfig(dataset="fashion_mnist", num_classes=10, max_val_samples=n), "val", None)
+    import numpy as np
+
+    pixels = np.stack([np.asarray(images[i][0], dtype=np.float32) for i in range(min(n, len(images)))])
+    x0 = torch.from_numpy(pixels).unsqueeze(1) / 127.5 - 1.0
+    x0 = torch.nn.functional.pad(x0, (2, 2, 2, 2), value=-1.0)  # 28 px -> the model's 32
+    labels = torch.tensor([images.targets[i] if hasattr(images, "targets") else images[i][1] for i in range(len(x0))])
+    gen = torch.Generator().manual_seed(0)
+    diffusion = GaussianDiffusion(learn_sigma=spec.learn_sigma)
+    t = torch.randint(0, diffusion.num_timesteps, (len(x0),), generator=gen)
+    noise = torch.randn(x0.shape, generator=gen)
+
+    def loss_fn(m):
+        return float(diffusion.training_losses(m, x0, t, model_kwargs={"y": labels}, noise=noise)["loss"].mean())
+
+    out = {"hidden_state_norms": hidden_state_norms(model, diffusion.q_sample(x0, t, noise), t, labels),
+           "layer_removal": layer_removal(model, loss_fn)}
+    try:
+        out["stream_contribution"] = stream_contribution(model)
+    except ValueError:
+        pass
+    out["grad_norm"] = grad_norm_trace(run_dir)
+    return out
+
+
+TASKS = {"deit": (train_deit, diagnose_deit), "dit": (train_dit, diagnose_dit)}
+
+
+def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
+    """Train, evaluate and diagnose one run; ``None`` if it stopped early (``train.stop_at_step``) and must go on."""
+    from common.logging import read_metrics
+
+    run_dir = runs_dir / spec.name
+    done = run_dir / RESULT_FILE
+    if done.is_file():
+        return json.loads(done.read_text())
+    train_fn, diagnose_fn = TASKS[opts.task]
+    print(f"\n=== {spec.name} ===", flush=True)
+    start = time.perf_counter()
+    outcome = train_fn(spec, run_dir, opts)
+    if "stopped_at" in outcome:
+        return None
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    result = {**dataclasses.asdict(spec), "name": spec.name, **outcome,
+              "divergence": detect_divergence(records, outcome.get("error")),
+              "loss_curve": loss_curve(records), "train_wall_s": round(time.perf_counter() - start, 1)}
+    if "error" not in outcome and opts.diagnostics:
+        diagnostics = diagnose_fn(run_dir, opts)
+        _write_json(run_dir / DIAGNOSTICS_FILE, diagnostics)
+    _write_json(done, result)  # last: its presence marks the run finished
+    return result
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _mean_std(values: Sequence[float]) -> tuple:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _fmt(mean, std, digits=2) -> str:
+    if mean is None:
+        return "--"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def summarize(results: Sequence[dict], metric: str) -> Dict[tuple, dict]:
+    """Per (depth, lr, topology): metric mean/std over the seeds that did not diverge, and the diverged count."""
+    groups: Dict[tuple, list] = {}
+    for r in results:
+        groups.setdefault((r["depth"], r["lr"], r["topology"]), []).append(r)
+    out = {}
+    for key, runs in groups.items():
+        ok = [r for r in runs if not r["divergence"]["diverged"] and r.get(metric) is not None]
+        values = [r[metric] for r in ok]
+        mean, std = _mean_std(values)
+        finals = [r["loss_curve"][-1][1] for r in runs if r["loss_curve"] and math.isfinite(r["loss_curve"][-1][1])]
+        out[key] = {"mean": mean, "std": std, "n": len(values), "runs": len(runs),
+                    "diverged": sum(r["divergence"]["diverged"] for r in runs),
+                    "final_loss": _mean_std(finals)[0], "values": values,
+                    "by_seed": {r["seed"]: r.get(metric) for r in ok}}
+    return out
+
+
+def paired_differences(summary: Dict[tuple, dict], topology: str, baseline: str = "pre") -> Dict[tuple, tuple]:
+    """Per (depth, lr): mean and std over seeds of ``metric(topology) - metric(baseline)`` for the same seed."""
+    out = {}
+    for (depth, lr, topo), s in summary.items():
+        base = summary.get((depth, lr, baseline))
+        if topo != topology or base is None:
+            continue
+        diffs = [v - base["by_seed"][seed] for seed, v in s["by_seed"].items() if seed in base["by_seed"]]
+        if diffs:
+            out[(depth, lr)] = (*_mean_std(diffs), len(diffs))
+    return out
+
+
+def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
+    """The paper's four claims, each judged from this comparison's numbers by a stated rule."""
+    metric, label, higher = METRIC[task]
+    sign = 1.0 if higher else -1.0
+    diffs = paired_differences(summary, "siamese")
+    lines = []
+
+    def margin_verdict(d):
+        mean, std, n = d
+        gain = sign * mean
+        noise = std / math.sqrt(n) if n > 1 else float("inf")
+        if n < 2:
+            return f"{gain:+.2f} (one seed: no noise estimate)", "untested"
+        if gain > 2 * noise:
+            return f"{gain:+.2f} (paired SE {noise:.2f})", "supported"
+        if gain < -2 * noise:
+            return f"{gain:+.2f} (paired SE {noise:.2f})", "contradicted"
+        return f"{gain:+.2f} (paired SE {noise:.2f})", "within noise"
+
+    main_claim = "accuracy up (Top-1)" if task == "deit" else "FID down"
+    other_claim = "FID down" if task == "deit" else "accuracy up (Top-1)"
+    lowest_lr = min((lr for _, lr, _ in summary), default=None)
+    parts = []
+    for (depth, lr), d in sorted(diffs.items()):
+        if summary.get((depth, lr, "pre"), {}).get("n") and lr == lowest_lr:
+            text, verdict = margin_verdict(d)
+            parts.append(f"depth {depth}, lr {lr:g}: Siamese - Pre-Norm improvement {text} -> {verdict}")
+    lines.append(f"**{main_claim}** (rule: the mean paired improvement of SiameseNorm over Pre-Norm, same seed, at "
+                 f"the lowest lr must exceed 2 standard errors): " + ("; ".join(parts) or "not tested (no Pre/Siamese pair)"))
+    lines.append(f"**{other_claim}**: not tested by a {task} comparison (run the other --task).")
+
+    highest_lr = max((lr for _, lr, _ in summary), default=None)
+    stab = []
+    for (depth, lr, topo), s in sorted(summary.items()):
+        if lr == highest_lr and topo in ("post", "siamese", "pre"):
+            stab.append((depth, topo, s))
+    post_bad = any(t == "post" and s["diverged"] for _, t, s in stab)
+    siam_bad = any(t == "siamese" and s["diverged"] for _, t, s in stab)
+    have_both = {t for _, t, _ in stab} >= {"post", "siamese"}
+    desc = "; ".join(f"{t} d{d}: {s['diverged']}/{s['runs']} diverged" for d, t, s in stab)
+    if not have_both or len({lr for _, lr, _ in summary}) < 2:
+        verdict = "untested (needs Post-Norm and SiameseNorm at two learning rates)"
+    elif post_bad and not siam_bad:
+        verdict = "supported"
+    elif siam_bad:
+        verdict = "contradicted (SiameseNorm diverged)"
+    else:
+        verdict = "not shown (Post-Norm did not diverge at this lr)"
+    lines.append(f"**stable at high lr where Post-Norm is not** (rule: at the highest lr {highest_lr:g}, Post-Norm "
+                 f"diverges in some run and SiameseNorm in none): {desc or 'no runs'} -> {verdict}")
+
+    depths = sorted({d for d, _ in diffs})
+    if len(depths) < 2:
+        lines.append("**larger margin when deeper**: untested (one depth).")
+    else:
+        parts = []
+        for lr in sorted({lr for _, lr in diffs}):
+            shallow, deep = diffs.get((depths[0], lr)), diffs.get((depths[-1], lr))
+            if shallow and deep:
+                gain = sign * (deep[0] - shallow[0])
+                noise = math.sqrt((deep[1] ** 2 / deep[2]) + (shallow[1] ** 2 / shallow[2]))
+                verdict = "supported" if gain > 2 * noise else "contradicted" if gain < -2 * noise else "within noise"
+                parts.append(f"lr {lr:g}: margin at depth {depths[-1]} minus margin at depth {depths[0]} = "
+                             f"{gain:+.2f} (SE {noise:.2f}) -> {verdict}")
+        lines.append("**larger margin when deeper** (rule: the deeper margin exceeds the shallower by 2 SE): "
+                     + ("; ".join(parts) or "untested"))
+    return lines
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+COLORS = {"pre": "tab:blue", "post": "tab:red", "siamese": "tab:green", "mixln": "tab:purple", "residual": "tab:orange",
+          "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive", "dyt": "tab:cyan"}
+
+
+def plot_loss_curves(results: Sequence[dict], path: Path) -> None:
+    """One panel per (depth, lr), one line per run, coloured by topology (non-finite points are gaps)."""
+    plt = _pyplot()
+    settings = sorted({(r["depth"], r["lr"]) for r in results})
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
+    for ax, (depth, lr) in zip(axes[0], settings):
+        seen = set()
+        for r in sorted(results, key=lambda r: (r["topology"], r["seed"])):
+            if (r["depth"], r["lr"]) != (depth, lr) or not r["loss_curve"]:
+                continue
+            steps, losses = zip(*r["loss_curve"])
+            label = r["topology"] if r["topology"] not in seen else None
+            seen.add(r["topology"])
+            ax.plot(steps, [v if math.isfinite(v) else float("nan") for v in losses], lw=1,
+                    color=COLORS.get(r["topology"]), label=label, alpha=0.85)
+        ax.set_title(f"depth {depth}, lr {lr:g}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_diagnostic_plots(results: Sequence[dict], runs_dir: Path, report_dir: Path) -> List[tuple]:
+    """For each (depth, lr): the diagnostics of the first seed of every topology, overlaid. Returns (setting, kind, png)."""
+    from common.diagnostics import KINDS, write_diagnostic
+
+    written = []
+    first_seed = min(r["seed"] for r in results)
+    for depth, lr in sorted({(r["depth"], r["lr"]) for r in results}):
+        per_kind: Dict[str, dict] = {}
+        for r in results:
+            path = runs_dir / r["name"] / DIAGNOSTICS_FILE
+            if (r["depth"], r["lr"], r["seed"]) != (depth, lr, first_seed) or not path.is_file():
+                continue
+            for kind, value in json.loads(path.read_text()).items():
+                per_kind.setdefault(kind, {})[r["topology"]] = value
+        sub = report_dir / f"diagnostics_d{depth}_lr{lr:g}"
+        for kind in KINDS:
+            if per_kind.get(kind):
+                png = write_diagnostic(kind, per_kind[kind], sub, title=f"depth {depth}, lr {lr:g}, seed {first_seed}")
+                written.append(((depth, lr), kind, png))
+    return written
+
+
+def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task: str, pending: Sequence[str] = (),
+                 command: str = "") -> Path:
+    """``report_dir/report.md`` + ``loss_curves.png`` + per-setting diagnostic plots from finished runs."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    metric, label, higher = METRIC[task]
+    summary = summarize(results, metric)
+    lines = [f"# {task.upper()} topology comparison", ""]
+    if command:
+        lines += ["Regenerate (finished runs are reused):", "", f"    {command}", ""]
+    lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
+              + f". {label}: mean ± std over seeds that did not diverge ({'higher' if higher else 'lower'} is better); "
+              "`n` = seeds counted / runs.", ""]
+    lines += [f"| depth | lr | topology | {label} | n | diverged | final train loss |", "|---|---|---|---|---|---|---|"]
+    for (depth, lr, topo), s in sorted(summary.items()):
+        final = f"{s['final_loss']:.3f}" if s["final_loss"] is not None else "--"
+        lines.append(f"| {depth} | {lr:g} | {topo} | {_fmt(s['mean'], s['std'])} | {s['n']}/{s['runs']} | "
+                     f"{s['diverged']} | {final} |")
+    for topo in sorted({t for _, _, t in summary} - {"pre"}):
+        diffs = paired_differences(summary, topo)
+        if diffs:
+            lines += ["", f"Paired difference {topo} - pre (same seed), {label}:", ""]
+            lines += [f"- depth {d}, lr {lr:g}: {_fmt(m, s)} over {n} seed(s)" for (d, lr), (m, s, n) in sorted(diffs.items())]
+    lines += ["", "## Diverged runs", ""]
+    diverged = [r for r in results if r["divergence"]["diverged"]]
+    if diverged:
+        lines += ["| run | step | reason |", "|---|---|---|"]
+        lines += [f"| {r['name']} | {r['divergence']['step']} | {r['divergence']['reason']} |" for r in diverged]
+    else:
+        lines.append("None (no non-finite loss, no run ended above its first logged loss).")
+    lines += ["", "## The paper's claims against this data", ""] + [f"- {c}" for c in claim_checks(summary, task)]
+    plot_loss_curves(results, report_dir / "loss_curves.png")
+    lines += ["", "## Loss curves", "", "![training loss](loss_curves.png)", ""]
+    written = write_diagnostic_plots(results, runs_dir, report_dir)
+    if written:
+        lines += ["## Diagnostics", "",
+                  "First seed of each topology. Hidden-state norms: mean token L2 norm per layer and stream (paper "
+                  "Fig. 2a). Layer removal: held-out loss increase when one block is skipped (Fig. 2c). Stream "
+                  "contribution: mean |weight| of SiameseNorm's post_norm (X) vs pre_norm (Y) per sublayer and of the "
+                  "output fusion (Fig. 6). Gradient norm: the trainer's logged global grad norm, window means "
+                  "(sec. 5.1). Numbers in the JSON next to each PNG.", ""]
+        for (depth, lr), kind, png in written:
+            lines.append(f"![{kind} depth {depth} lr {lr:g}]({png.relative_to(report_dir).as_posix()})")
+    lines += ["", "## Per run", "", f"| run | {label} | steps | diverged at | train s |", "|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["name"]):
+        value = r.get(metric)
+        lines.append(f"| {r['name']} | {'--' if value is None else f'{value:.2f}'} | {r.get('steps', '--')} | "
+                     f"{r['divergence']['step'] if r['divergence']['diverged'] else '--'} | {r.get('train_wall_s', '--')} |")
+    path = report_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    (report_dir / "summary.json").write_text(json.dumps(
+        [{"depth": d, "lr": lr, "topology": t, **{k: v for k, v in s.items() if k != "by_seed"}}
+         for (d, lr, t), s in sorted(summary.items())], indent=1))
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m scripts.compare", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=list(TASKS), default="deit", help="deit: classification Top-1; dit: generation FID")
+    p.add_argument("--quick", action="store_true", help="the ~15-minute 2-core preset (default: the overnight preset)")
+    p.add_argument("--data", default="fashion_mnist", help="fashion_mnist (default) or an ImageFolder root with train/ and val/")
+    p.add_argument("--image-size", type=int, default=32, help="ImageFolder data: resize/crop size (patch = size/4)")
+    p.add_argument("--topologies", nargs="+", help="e.g. pre post siamese mixln residual sandwich deepnorm layerscale dyt")
+    p.add_argument("--lrs", nargs="+", type=float, help="peak learning rates")
+    p.add_argument("--depths", nargs="+", type=int, help="numbers of blocks")
+    p.add_argument("--seeds", nargs="+", type=int, help="training seeds (data order, init, augmentation)")
+    p.add_argument("--train-images", type=int, help="first N training images (0 = all)")
+    p.add_argument("--val-images", type=int, help="DeiT: first N held-out images for Top-1 (0 = all)")
+    p.add_argument("--diag-images", type=int, help="held-out images for the diagnostics")
+    p.add_argument("--epochs", type=int, help="DeiT: passes over the training images")
+    p.add_argument("--steps", type=int, help="DiT: optimizer steps")
+    p.add_argument("--fid-samples", type=int, help="DiT: generated images per run for FID")
+    p.add_argument("--sample-steps", type=int, help="DiT: respaced DDPM steps when sampling for FID")
+    p.add_argument("--feature-weights", help="DiT: fmnist-cnn weights (default: ~/.cache/siamesenorm/fmnist_cnn.safetensors)")
+    p.add_argument("--log-every", type=int, help="logged loss points every N steps")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per training (default 1)")
+    p.add_argument("--no-diagnostics", dest="diagnostics", action="store_false", help="skip the diagnostics")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="extra trainer overrides for every run (repeatable), e.g. optim.clip_grad=1.0 train.stop_at_step=50")
+    p.add_argument("--out", type=Path, help="runs and report (default runs/compare_<task>[_quick])")
+    p.add_argument("--report", type=Path, help="report directory (default: --out)")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[(args.task, args.quick)].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for key in ("train_images", "val_images", "diag_images"):
+        if getattr(args, key, None) == 0:
+            setattr(args, key, None)
+    for key in ("epochs", "steps", "fid_samples", "sample_steps"):
+        if not hasattr(args, key) or getattr(args, key) is None:
+            setattr(args, key, PRESETS[(args.task, args.quick)].get(key))
+    args.out = args.out or ROOT / "runs" / f"compare_{args.task}{'_quick' if args.quick else ''}"
+    args.report = args.report or args.out
+    from common.residual import MODEL_TOPOLOGIES
+
+    allowed = MODEL_TOPOLOGIES if args.task == "deit" else ("pre", "post", "siamese", "mixln", "residual", "deepnorm")
+    bad = [t for t in args.topologies if t not in allowed]
+    if bad:
+        p.error(f"--topologies {' '.join(bad)}: unknown for --task {args.task}; choose from {', '.join(allowed)}")
+    if any(lr <= 0 for lr in args.lrs) or any(d < 1 for d in args.depths):
+        p.error("--lrs must be positive and --depths at least 1")
+    return args
+
+
+def main(argv=None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
+    opts = parse_args(argv)
+    import vision  # noqa: F401  (registers the DeiT topologies with timm)
+
+    runs_dir = opts.out / "runs"
+    specs = [RunSpec(t, d, lr, s) for d in opts.depths for lr in opts.lrs for t in opts.topologies for s in opts.seeds]
+    results, pending = [], []
+    for spec in specs:
+        result = run_one(spec, runs_dir, opts)
+        (results.append(result) if result is not None else pending.append(spec.name))
+    command = "python -m scripts.compare " + " ".join(argv)
+    path = write_report(results, runs_dir, opts.report, opts.task, pending, command)
+    print(f"\nwrote {path}" + (f" ({len(pending)} runs unfinished; rerun the same command to continue)" if pending else ""))
+    return path
+
+
+if __name__ == "__main__":
+    main()

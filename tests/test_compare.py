@@ -1,0 +1,93 @@
+"""scripts.compare: the report of tiny finished runs, divergence detection, resume of an interrupted comparison."""
+import json
+import math
+
+import pytest
+
+from scripts.compare import detect_divergence, loss_curve, main
+
+# A micro-DeiT on 256 Fashion-MNIST images: 8 steps of batch 32, about a second per run on one thread.
+TINY = ["--task", "deit", "--quick", "--depths", "2", "--train-images", "256", "--val-images", "100",
+        "--diag-images", "50", "--log-every", "2", "--set", "model.kwargs.embed_dim=16", "model.kwargs.num_heads=2",
+        "optim.batch_size=32", "data.num_workers=0", "train.ckpt_every=4"]
+
+
+def rec(step, loss, nonfinite=0):
+    return {"step": step, "train/loss": loss, "train/nonfinite_steps": nonfinite}
+
+
+def test_detect_divergence_rules():
+    assert detect_divergence([rec(5, 2.3), rec(10, 1.9), rec(15, 1.5)]) == {"diverged": False, "step": None, "reason": ""}
+    assert detect_divergence([rec(5, 2.3), rec(10, "nan", 1), rec(15, 1.5, 1)])["step"] == 10
+    assert detect_divergence([rec(5, 2.3), rec(10, 2.0, 2)])["step"] == 10  # a skipped non-finite gradient
+    up = detect_divergence([rec(5, 2.3), rec(10, 2.5), rec(15, 2.0), rec(20, 2.4), rec(25, 3.0)])
+    assert up["diverged"] and up["step"] == 20 and "above its start" in up["reason"]
+    stopped = detect_divergence([rec(5, 2.3)], error="the loss was NaN/inf for 20 steps in a row\nmore")
+    assert stopped["diverged"] and "run stopped" in stopped["reason"]
+    assert loss_curve([{"step": 1, "x": 0}, rec(2, 1.0), rec(2, 0.5), rec(3, "inf")])[:2] == [(2, 0.5), (3, math.inf)]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    report = main(TINY + ["--topologies", "pre", "siamese", "--lrs", "1e-3", "--seeds", "0", "--out", str(out)])
+    return out, report
+
+
+def test_report_of_two_finished_runs(finished):
+    out, report = finished
+    text = report.read_text()
+    results = {t: json.loads((out / "runs" / f"{t}_d2_lr0.001_s0" / "result.json").read_text()) for t in ("pre", "siamese")}
+    for topo, r in results.items():
+        final = json.loads((out / "runs" / r["name"] / "final_metrics.json").read_text())
+        assert r["top1"] == final["val/top1"] and r["steps"] == 8 and not r["divergence"]["diverged"]
+        assert f"| 2 | 0.001 | {topo} | {r['top1']:.2f} ± 0.00 | 1/1 | 0 |" in text
+    diff = results["siamese"]["top1"] - results["pre"]["top1"]
+    assert f"- depth 2, lr 0.001: {diff:.2f} ± 0.00 over 1 seed(s)" in text
+    assert "None (no non-finite loss" in text and "larger margin when deeper**: untested (one depth)" in text
+    assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    for kind in ("hidden_state_norms", "layer_removal", "stream_contribution", "grad_norm"):
+        assert f"(diagnostics_d2_lr0.001/{kind}.png)" in text
+        data = json.loads((out / "diagnostics_d2_lr0.001" / f"{kind}.json").read_text())
+        assert set(data) == ({"siamese"} if kind == "stream_contribution" else {"pre", "siamese"})
+    norms = json.loads((out / "diagnostics_d2_lr0.001" / "hidden_state_norms.json").read_text())
+    assert set(norms["siamese"]["norms"]) == {"x", "y"} and len(norms["pre"]["norms"]["h"]) == 3
+    removal = json.loads((out / "diagnostics_d2_lr0.001" / "layer_removal.json").read_text())
+    assert len(removal["pre"]["loss_increase"]) == 2 and "removed_top1" in removal["pre"]
+
+
+def test_a_run_made_to_diverge_is_reported(tmp_path):
+    # Post-Norm at lr 10 without warmup: the gradient turns non-finite within a few steps.
+    report = main(TINY + ["--topologies", "post", "--lrs", "10", "--seeds", "0", "--out", str(tmp_path),
+                          "--set", "optim.warmup_epochs=0", "--log-every", "1"])
+    result = json.loads((tmp_path / "runs" / "post_d2_lr10_s0" / "result.json").read_text())
+    div = result["divergence"]
+    assert div["diverged"] and div["reason"].startswith("non-finite")
+    assert 1 <= div["step"] <= 8
+    assert f"| post_d2_lr10_s0 | {div['step']} | non-finite" in report.read_text()
+    assert "| 2 | 10 | post | -- | 0/1 | 1 |" in report.read_text()  # a diverged run is not averaged
+
+
+def test_an_interrupted_comparison_resumes(finished, tmp_path):
+    done_out, _ = finished
+    out = tmp_path
+    # The finished pre run is copied in; the siamese run is interrupted at step 4 (as a time-limited slot would).
+    import shutil
+
+    shutil.copytree(done_out / "runs" / "pre_d2_lr0.001_s0", out / "runs" / "pre_d2_lr0.001_s0")
+    done_file = out / "runs" / "pre_d2_lr0.001_s0" / "result.json"
+    stamp = done_file.stat().st_mtime_ns
+    args = TINY + ["--topologies", "pre", "siamese", "--lrs", "1e-3", "--seeds", "0", "--out", str(out)]
+    report = main(args + ["--set", "train.stop_at_step=4"])
+    siamese = out / "runs" / "siamese_d2_lr0.001_s0"
+    assert not (siamese / "result.json").exists() and (siamese / "checkpoints" / "step_000000004.pt").exists()
+    assert "1 unfinished: siamese_d2_lr0.001_s0" in report.read_text()
+
+    report = main(args)
+    assert done_file.stat().st_mtime_ns == stamp  # the finished run was not redone
+    steps = [r["step"] for r in map(json.loads, (siamese / "metrics.jsonl").read_text().splitlines())]
+    assert steps.count(0) == 1 and max(steps) == 8  # continued from step 4, not restarted
+    resumed = json.loads((siamese / "result.json").read_text())
+    uninterrupted = json.loads((done_out / "runs" / "siamese_d2_lr0.001_s0" / "result.json").read_text())
+    assert resumed["top1"] == uninterrupted["top1"] and resumed["loss_curve"] == uninterrupted["loss_curve"]
+    assert "2 finished runs." in report.read_text()
