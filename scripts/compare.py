@@ -187,44 +187,40 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     if opts.feature_weights:
         fid_args += ["--extractor-weights", str(opts.feature_weights)]
     scores = fid.main(fid_args)
-    return {"fid": scores.get("frechet_inception_distance", scores.get("fid")), "params": final.get("params"),
+    return {"fid": scores["metrics"]["fid"], "params": final.get("params"),
             "steps": final.get("steps"), "peak_lr": spec.lr}
 
 
 def diagnose_dit(run_dir: Path, opts) -> dict:
-    """Stream norms, layer removal (diffusion loss at fixed t and noise) and stream contribution of the EMA DiT."""
+    """Stream norms, layer removal (diffusion loss at fixed t and noise on test images) and stream contribution
+    of the run's EMA DiT, plus its logged gradient norms."""
     import torch
 
     from common.diagnostics import grad_norm_trace, hidden_state_norms, layer_removal, stream_contribution
     from diffusion.gaussian_diffusion import GaussianDiffusion
     from diffusion.sample import load_model
-    from vision.data import DataConfig, build_dataset
+    from diffusion.train import PixelImages
 
     model, spec, _ = load_model(run_dir / "ema.safetensors")
     model.eval()
-    n = opts.diag_images
-    images = build_dataset(DataConfig(dataset="fashion_mnist", num_classes=10, max_val_samples=n), "val", None)
-    import numpy as np
-
-    pixels = np.stack([np.asarray(images[i][0], dtype=np.float32) for i in range(min(n, len(images)))])
-    x0 = torch.from_numpy(pixels).unsqueeze(1) / 127.5 - 1.0
-    x0 = torch.nn.functional.pad(x0, (2, 2, 2, 2), value=-1.0)  # 28 px -> the model's 32
-    labels = torch.tensor([images.targets[i] if hasattr(images, "targets") else images[i][1] for i in range(len(x0))])
+    test = PixelImages("test", spec.input_size, limit=opts.diag_images, hflip=False)
+    x0 = torch.stack([test[i][0] for i in range(len(test))])
+    labels = test.labels.clone()
     gen = torch.Generator().manual_seed(0)
     diffusion = GaussianDiffusion(learn_sigma=spec.learn_sigma)
-    t = torch.randint(0, diffusion.num_timesteps, (len(x0),), generator=gen)
+    t = torch.randint(0, diffusion.num_train_timesteps, (len(x0),), generator=gen)
     noise = torch.randn(x0.shape, generator=gen)
 
     def loss_fn(m):
-        return float(diffusion.training_losses(m, x0, t, model_kwargs={"y": labels}, noise=noise)["loss"].mean())
+        return float(diffusion.training_losses(m, x0, t, noise, model_kwargs={"y": labels})["loss"].mean())
 
-    out = {"hidden_state_norms": hidden_state_norms(model, diffusion.q_sample(x0, t, noise), t, labels),
-           "layer_removal": layer_removal(model, loss_fn)}
+    x_t = diffusion.q_sample(x0, t, noise)
+    out = {"hidden_state_norms": hidden_state_norms(model, x_t, diffusion.model_timesteps(t), labels),
+           "layer_removal": layer_removal(model, loss_fn), "grad_norm": grad_norm_trace(run_dir)}
     try:
         out["stream_contribution"] = stream_contribution(model)
     except ValueError:
         pass
-    out["grad_norm"] = grad_norm_trace(run_dir)
     return out
 
 

@@ -91,3 +91,24 @@ def test_an_interrupted_comparison_resumes(finished, tmp_path):
     uninterrupted = json.loads((done_out / "runs" / "siamese_d2_lr0.001_s0" / "result.json").read_text())
     assert resumed["top1"] == uninterrupted["top1"] and resumed["loss_curve"] == uninterrupted["loss_curve"]
     assert "2 finished runs." in report.read_text()
+
+
+def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
+    import torch
+
+    from common.checkpoint import save_weights
+    from common.feature_extractors import FashionMNISTClassifier
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)  # random features: the pipeline, not the quality, is tested
+    report = main(["--task", "dit", "--quick", "--topologies", "siamese", "--lrs", "3e-4", "--depths", "2",
+                   "--seeds", "0", "--train-images", "64", "--steps", "4", "--fid-samples", "10", "--sample-steps", "2",
+                   "--diag-images", "4", "--log-every", "2", "--feature-weights", str(weights), "--out", str(tmp_path / "c"),
+                   "--set", "optim.batch_size=8", "model.kwargs.hidden_size=24", "data.num_workers=0"])
+    run = tmp_path / "c" / "runs" / "siamese_d2_lr0.0003_s0"
+    result = json.loads((run / "result.json").read_text())
+    assert result["fid"] == json.loads((run / "fid.json").read_text())["metrics"]["fid"] > 0
+    assert f"| 2 | 0.0003 | siamese | {result['fid']:.2f} ± 0.00 | 1/1 | 0 |" in report.read_text()
+    diag = json.loads((run / "diagnostics.json").read_text())
+    assert set(diag["hidden_state_norms"]["norms"]) == {"x", "y"} and len(diag["layer_removal"]["loss_increase"]) == 2
