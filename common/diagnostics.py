@@ -216,9 +216,8 @@ def _plot_stream_contribution(ax, results: Mapping[str, dict]) -> None:
         ax.plot(pos, [v for pair in r["x_scale"] for v in pair], marker="o", ms=3, ls="--", label=f"{label} X (post_norm)")
         ax.plot(pos, [v for pair in r["y_scale"] for v in pair], marker="s", ms=3, label=f"{label} Y (pre_norm)")
         out = max(pos) + 1.0
-        ax.scatter([out], [r["output_x_scale"]], marker="D", color="black")
-        ax.scatter([out], [r["output_y_scale"]], marker="*", s=60, color="black")
-        ax.annotate("output", (out, r["output_y_scale"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.scatter([out], [r["output_x_scale"]], marker="D", color="black", label=f"{label} output norm_x")
+        ax.scatter([out], [r["output_y_scale"]], marker="*", s=60, color="grey", label=f"{label} output norm_y")
     ax.set_xlabel("block (attention at l, MLP at l+0.5; output fusion last)")
     ax.set_ylabel("mean |norm weight|")
     ax.set_title("stream contribution (fusion-norm scales)")

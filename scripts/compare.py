@@ -29,12 +29,17 @@ from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILE = "result.json"
+SETTINGS_FILE = "compare_settings.json"
+# Options that change what a run computes: a finished run made with other values must not be reused.
+RUN_OPTIONS = ("task", "data", "image_size", "train_images", "val_images", "diag_images", "epochs", "steps",
+               "fid_samples", "sample_steps", "feature_weights", "log_every", "set", "diagnostics")
+RUN_CONTROL_OVERRIDES = ("train.stop_at_step=", "train.resume=")  # how far a run goes now, not what it computes
 DIAGNOSTICS_FILE = "diagnostics.json"
 
 # Presets: the DeiT ones start from configs/fmnist_deit.yaml (micro-DeiT, dim 64, patch 7), DiT from fmnist_dit.yaml.
 PRESETS = {
-    ("deit", True): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6], seeds=[0, 1],
-                         train_images=8000, epochs=1, val_images=2000, diag_images=500, log_every=5),
+    ("deit", True): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6], seeds=[0, 1, 2],
+                         train_images=12000, epochs=1, val_images=2000, diag_images=500, log_every=5),
     ("deit", False): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6, 12], seeds=[0, 1, 2],
                           train_images=None, epochs=2, val_images=None, diag_images=2000, log_every=25),
     ("dit", True): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4], seeds=[0],
@@ -233,8 +238,20 @@ def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
 
     run_dir = runs_dir / spec.name
     done = run_dir / RESULT_FILE
+    settings = {k: getattr(opts, k) for k in RUN_OPTIONS}
+    settings["set"] = [o for o in opts.set if not o.startswith(RUN_CONTROL_OVERRIDES)]
+    settings_file = run_dir / SETTINGS_FILE
+    if settings_file.is_file():
+        before = json.loads(settings_file.read_text())
+        changed = {k: (before.get(k), v) for k, v in json.loads(json.dumps(settings)).items() if before.get(k) != v}
+        if changed:
+            raise SystemExit(f"error: {run_dir} was made with other settings ("
+                             + ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items())
+                             + "); use another --out, or delete that run directory to redo it")
     if done.is_file():
         return json.loads(done.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(settings_file, settings)
     train_fn, diagnose_fn = TASKS[opts.task]
     print(f"\n=== {spec.name} ===", flush=True)
     start = time.perf_counter()
@@ -297,6 +314,13 @@ def paired_differences(summary: Dict[tuple, dict], topology: str, baseline: str 
     return out
 
 
+def _t95(df: int) -> float:
+    """Two-sided 95% Student-t quantile: with 2 or 3 seeds the interval is wide, as it should be."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
+
+
 def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
     """The paper's four claims, each judged from this comparison's numbers by a stated rule."""
     metric, label, higher = METRIC[task]
@@ -307,14 +331,11 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
     def margin_verdict(d):
         mean, std, n = d
         gain = sign * mean
-        noise = std / math.sqrt(n) if n > 1 else float("inf")
         if n < 2:
             return f"{gain:+.2f} (one seed: no noise estimate)", "untested"
-        if gain > 2 * noise:
-            return f"{gain:+.2f} (paired SE {noise:.2f})", "supported"
-        if gain < -2 * noise:
-            return f"{gain:+.2f} (paired SE {noise:.2f})", "contradicted"
-        return f"{gain:+.2f} (paired SE {noise:.2f})", "within noise"
+        half = _t95(n - 1) * std / math.sqrt(n)
+        text = f"{gain:+.2f}, 95% interval ±{half:.2f} over {n} seeds"
+        return text, "supported" if gain > half else "contradicted" if gain < -half else "within noise"
 
     main_claim = "accuracy up (Top-1)" if task == "deit" else "FID down"
     other_claim = "FID down" if task == "deit" else "accuracy up (Top-1)"
@@ -324,8 +345,8 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
         if summary.get((depth, lr, "pre"), {}).get("n") and lr == lowest_lr:
             text, verdict = margin_verdict(d)
             parts.append(f"depth {depth}, lr {lr:g}: Siamese - Pre-Norm improvement {text} -> {verdict}")
-    lines.append(f"**{main_claim}** (rule: the mean paired improvement of SiameseNorm over Pre-Norm, same seed, at "
-                 f"the lowest lr must exceed 2 standard errors): " + ("; ".join(parts) or "not tested (no Pre/Siamese pair)"))
+    lines.append(f"**{main_claim}** (rule: the 95% t-interval of the mean paired "
+                 f"improvement of SiameseNorm over Pre-Norm, same seed, at the lowest lr lies above 0): " + ("; ".join(parts) or "not tested (no Pre/Siamese pair)"))
     lines.append(f"**{other_claim}**: not tested by a {task} comparison (run the other --task).")
 
     highest_lr = max((lr for _, lr, _ in summary), default=None)
@@ -357,11 +378,16 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
             shallow, deep = diffs.get((depths[0], lr)), diffs.get((depths[-1], lr))
             if shallow and deep:
                 gain = sign * (deep[0] - shallow[0])
-                noise = math.sqrt((deep[1] ** 2 / deep[2]) + (shallow[1] ** 2 / shallow[2]))
-                verdict = "supported" if gain > 2 * noise else "contradicted" if gain < -2 * noise else "within noise"
+                n = min(deep[2], shallow[2])
+                if n < 2:
+                    parts.append(f"lr {lr:g}: {gain:+.2f} (one seed: no noise estimate) -> untested")
+                    continue
+                half = _t95(n - 1) * math.sqrt((deep[1] ** 2 / deep[2]) + (shallow[1] ** 2 / shallow[2]))
+                verdict = "supported" if gain > half else "contradicted" if gain < -half else "within noise"
                 parts.append(f"lr {lr:g}: margin at depth {depths[-1]} minus margin at depth {depths[0]} = "
-                             f"{gain:+.2f} (SE {noise:.2f}) -> {verdict}")
-        lines.append("**larger margin when deeper** (rule: the deeper margin exceeds the shallower by 2 SE): "
+                             f"{gain:+.2f}, 95% interval ±{half:.2f} -> {verdict}")
+        lines.append("**larger margin when deeper** (rule: the 95% interval of deeper margin minus shallower margin "
+                     "lies above 0; df = fewest seeds - 1): "
                      + ("; ".join(parts) or "untested"))
     return lines
 

@@ -56,6 +56,13 @@ def test_report_of_two_finished_runs(finished):
     assert len(removal["pre"]["loss_increase"]) == 2 and "removed_top1" in removal["pre"]
 
 
+def test_a_finished_run_made_with_other_settings_is_not_reused(finished):
+    out, _ = finished
+    args = [a if a != "256" else "128" for a in TINY]  # --train-images 128 instead of 256
+    with pytest.raises(SystemExit, match="train_images: 256 then, 128 now"):
+        main(args + ["--topologies", "pre", "--lrs", "1e-3", "--seeds", "0", "--out", str(out)])
+
+
 def test_a_run_made_to_diverge_is_reported(tmp_path):
     # Post-Norm at lr 10 without warmup: the gradient turns non-finite within a few steps.
     report = main(TINY + ["--topologies", "post", "--lrs", "10", "--seeds", "0", "--out", str(tmp_path),
