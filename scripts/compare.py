@@ -435,6 +435,8 @@ def write_diagnostic_plots(results: Sequence[dict], runs_dir: Path, report_dir: 
     from common.diagnostics import KINDS, write_diagnostic
 
     written = []
+    if not results:
+        return written
     first_seed = min(r["seed"] for r in results)
     for depth, lr in sorted({(r["depth"], r["lr"]) for r in results}):
         per_kind: Dict[str, dict] = {}
@@ -453,7 +455,7 @@ def write_diagnostic_plots(results: Sequence[dict], runs_dir: Path, report_dir: 
 
 
 def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task: str, pending: Sequence[str] = (),
-                 command: str = "") -> Path:
+                 command: str = "", notes: str = "") -> Path:
     """``report_dir/report.md`` + ``loss_curves.png`` + per-setting diagnostic plots from finished runs."""
     report_dir.mkdir(parents=True, exist_ok=True)
     metric, label, higher = METRIC[task]
@@ -482,8 +484,15 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
     else:
         lines.append("None (no non-finite loss, no run ended above its first logged loss).")
     lines += ["", "## The paper's claims against this data", ""] + [f"- {c}" for c in claim_checks(summary, task)]
-    plot_loss_curves(results, report_dir / "loss_curves.png")
-    lines += ["", "## Loss curves", "", "![training loss](loss_curves.png)", ""]
+    stds = sorted(s["std"] for s in summary.values() if s["n"] > 1)
+    if stds:
+        lines.append(f"- **seed noise**: the std of {label} over seeds, per depth/lr/topology, ranges "
+                     f"{stds[0]:.2f} to {stds[-1]:.2f} (median {statistics.median(stds):.2f}).")
+    if notes:
+        lines += ["", "## Notes", "", notes.strip()]
+    if results:
+        plot_loss_curves(results, report_dir / "loss_curves.png")
+        lines += ["", "## Loss curves", "", "![training loss](loss_curves.png)", ""]
     written = write_diagnostic_plots(results, runs_dir, report_dir)
     if written:
         lines += ["## Diagnostics", "",
@@ -535,6 +544,7 @@ def parse_args(argv=None):
                    help="extra trainer overrides for every run (repeatable), e.g. optim.clip_grad=1.0 train.stop_at_step=50")
     p.add_argument("--out", type=Path, help="runs and report (default runs/compare_<task>[_quick])")
     p.add_argument("--report", type=Path, help="report directory (default: --out)")
+    p.add_argument("--notes", type=Path, help="a markdown file whose text goes into the report under 'Notes'")
     args = p.parse_args(argv)
     for key, value in PRESETS[(args.task, args.quick)].items():
         if getattr(args, key, None) is None:
@@ -553,6 +563,8 @@ def parse_args(argv=None):
     bad = [t for t in args.topologies if t not in allowed]
     if bad:
         p.error(f"--topologies {' '.join(bad)}: unknown for --task {args.task}; choose from {', '.join(allowed)}")
+    if args.notes and not args.notes.is_file():
+        p.error(f"--notes {args.notes}: no such file")
     if any(lr <= 0 for lr in args.lrs) or any(d < 1 for d in args.depths):
         p.error("--lrs must be positive and --depths at least 1")
     return args
@@ -570,7 +582,8 @@ def main(argv=None) -> Path:
         result = run_one(spec, runs_dir, opts)
         (results.append(result) if result is not None else pending.append(spec.name))
     command = "python -m scripts.compare " + " ".join(argv)
-    path = write_report(results, runs_dir, opts.report, opts.task, pending, command)
+    notes = opts.notes.read_text() if opts.notes else ""
+    path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes)
     print(f"\nwrote {path}" + (f" ({len(pending)} runs unfinished; rerun the same command to continue)" if pending else ""))
     return path
 

@@ -30,7 +30,10 @@ def test_detect_divergence_rules():
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    report = main(TINY + ["--topologies", "pre", "siamese", "--lrs", "1e-3", "--seeds", "0", "--out", str(out)])
+    notes = out / "notes.md"
+    notes.write_text("Hand-written reading of the numbers.")
+    report = main(TINY + ["--topologies", "pre", "siamese", "--lrs", "1e-3", "--seeds", "0", "--out", str(out),
+                          "--notes", str(notes)])
     return out, report
 
 
@@ -44,6 +47,7 @@ def test_report_of_two_finished_runs(finished):
         assert f"| 2 | 0.001 | {topo} | {r['top1']:.2f} ± 0.00 | 1/1 | 0 |" in text
     diff = results["siamese"]["top1"] - results["pre"]["top1"]
     assert f"- depth 2, lr 0.001: {diff:.2f} ± 0.00 over 1 seed(s)" in text
+    assert "## Notes\n\nHand-written reading of the numbers." in text
     assert "None (no non-finite loss" in text and "larger margin when deeper**: untested (one depth)" in text
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     for kind in ("hidden_state_norms", "layer_removal", "stream_contribution", "grad_norm"):
