@@ -32,7 +32,7 @@ RESULT_FILE = "result.json"
 SETTINGS_FILE = "compare_settings.json"
 # Options that change what a run computes: a finished run made with other values must not be reused.
 RUN_OPTIONS = ("task", "data", "image_size", "train_images", "val_images", "diag_images", "epochs", "steps",
-               "fid_samples", "sample_steps", "feature_weights", "log_every", "set", "diagnostics")
+               "fid_samples", "sample_steps", "ema_decay", "feature_weights", "log_every", "set", "diagnostics")
 RUN_CONTROL_OVERRIDES = ("train.stop_at_step=", "train.resume=")  # how far a run goes now, not what it computes
 DIAGNOSTICS_FILE = "diagnostics.json"
 
@@ -43,9 +43,10 @@ PRESETS = {
     ("deit", False): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6, 12], seeds=[0, 1, 2],
                           train_images=None, epochs=2, val_images=None, diag_images=2000, log_every=25),
     ("dit", True): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4], seeds=[0],
-                        train_images=4000, steps=300, fid_samples=200, sample_steps=25, diag_images=64, log_every=10),
+                        train_images=4000, steps=300, ema_decay=0.99, fid_samples=200, sample_steps=25, diag_images=64,
+                        log_every=10),
     ("dit", False): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4, 8], seeds=[0, 1, 2],
-                         train_images=None, steps=4000, fid_samples=2000, sample_steps=100, diag_images=256,
+                         train_images=None, steps=4000, ema_decay=0.999, fid_samples=2000, sample_steps=100, diag_images=256,
                          log_every=50),
 }
 METRIC = {"deit": ("top1", "Top-1 %", True), "dit": ("fid", "FID (fmnist-cnn)", False)}  # key, label, higher is better
@@ -173,7 +174,7 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     overrides = [f"model.topology={spec.topology}", f"model.kwargs.depth={spec.depth}", f"optim.lr={spec.lr}",
                  f"train.seed={spec.seed}", f"train.output_dir={run_dir}", "train.tensorboard=false",
                  f"train.threads={opts.threads}", f"optim.steps={opts.steps}", f"train.log_every={opts.log_every}",
-                 "train.resume=auto", "train.sample_every=0"]
+                 "train.resume=auto", "train.sample_every=0", f"train.ema_decay={opts.ema_decay}"]
     if opts.train_images:
         overrides.append(f"data.max_samples={opts.train_images}")
     cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_dit.yaml", overrides + list(opts.set))
@@ -536,6 +537,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="DiT: optimizer steps")
     p.add_argument("--fid-samples", type=int, help="DiT: generated images per run for FID")
     p.add_argument("--sample-steps", type=int, help="DiT: respaced DDPM steps when sampling for FID")
+    p.add_argument("--ema-decay", type=float, help="DiT: EMA decay of the sampled weights (keep 1/(1-decay) << steps)")
     p.add_argument("--feature-weights", help="DiT: fmnist-cnn weights (default: ~/.cache/siamesenorm/fmnist_cnn.safetensors)")
     p.add_argument("--log-every", type=int, help="logged loss points every N steps")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per training (default 1)")
@@ -552,7 +554,7 @@ def parse_args(argv=None):
     for key in ("train_images", "val_images", "diag_images"):
         if getattr(args, key, None) == 0:
             setattr(args, key, None)
-    for key in ("epochs", "steps", "fid_samples", "sample_steps"):
+    for key in ("epochs", "steps", "fid_samples", "sample_steps", "ema_decay"):
         if not hasattr(args, key) or getattr(args, key) is None:
             setattr(args, key, PRESETS[(args.task, args.quick)].get(key))
     args.out = args.out or ROOT / "runs" / f"compare_{args.task}{'_quick' if args.quick else ''}"
