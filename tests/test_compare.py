@@ -123,3 +123,15 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     assert f"| 2 | 0.0003 | siamese | {result['fid']:.2f} ± 0.00 | 1/1 | 0 |" in report.read_text()
     diag = json.loads((run / "diagnostics.json").read_text())
     assert set(diag["hidden_state_norms"]["norms"]) == {"x", "y"} and len(diag["layer_removal"]["loss_increase"]) == 2
+
+
+def test_diagnostics_command_on_finished_runs_matches_the_comparison(finished, tmp_path):
+    from common.diagnostics import main as diagnostics_main
+
+    out, _ = finished
+    runs = [str(out / "runs" / f"{t}_d2_lr0.001_s0") for t in ("pre", "siamese")]
+    found = diagnostics_main(["--run", *runs, "--out", str(tmp_path), "--images", "50"])
+    assert set(found["layer_removal"]) == {"pre_d2_lr0.001_s0", "siamese_d2_lr0.001_s0"}
+    stored = json.loads((out / "runs" / "siamese_d2_lr0.001_s0" / "diagnostics.json").read_text())
+    assert found["layer_removal"]["siamese_d2_lr0.001_s0"] == stored["layer_removal"]
+    assert (tmp_path / "stream_contribution.png").is_file() and (tmp_path / "grad_norm.json").is_file()
