@@ -84,7 +84,26 @@ def run(args) -> dict:
     )
 
 
-def main(argv=None) -> dict:
+def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, reference: str = "fashion-mnist:test",
+                     feature_extractor: str = "fmnist-cnn", extractor_weights=None, seed: int = 0,
+                     extra_sample_args=()) -> dict:
+    """The two documented commands as one call: ``diffusion.sample --num-samples`` then ``diffusion.fid``.
+
+    Writes ``<out_dir>/samples.npz`` and ``<out_dir>/fid.json``; returns the FID results dict.
+    """
+    from diffusion import sample
+
+    out_dir = Path(out_dir)
+    sample.main(["--checkpoint", str(checkpoint), "--num-samples", str(num_samples), "--out-dir", str(out_dir),
+                 "--steps", str(steps), "--seed", str(seed), "--quiet", *extra_sample_args])
+    args = ["--samples", str(out_dir / "samples.npz"), "--reference", reference, "--feature-extractor",
+            feature_extractor, "--num-workers", "0", "--quiet", "--out", str(out_dir / "fid.json")]
+    if extractor_weights:
+        args += ["--extractor-weights", str(extractor_weights)]
+    return main(args, echo=False)
+
+
+def main(argv=None, echo: bool = True) -> dict:
     args = parse_args(argv)
     try:
         result = run(args)
@@ -94,7 +113,8 @@ def main(argv=None) -> dict:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    print(text, file=sys.stdout)
+    if echo:
+        print(text, file=sys.stdout)
     return result
 
 

@@ -44,7 +44,7 @@ from common.checkpoint import CheckpointError, load_weights, read_file
 from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.latents import DEFAULT_VAE, load_vae
-from diffusion.models import DiT, DiT_models
+from diffusion.models import DIT_TOPOLOGIES, DiT, DiT_models
 
 Tensor = torch.Tensor
 SAMPLERS = ("ddpm", "ddim")
@@ -428,7 +428,7 @@ def parse_args(argv=None):
     s.add_argument("--batch-size", type=int, default=64, help="samples per forward pass and per chunk file")
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
     m.add_argument("--model", default=None, help=f"one of {', '.join(DiT_models)}")
-    m.add_argument("--topology", choices=("pre", "post", "siamese", "mixln"), default=None)
+    m.add_argument("--topology", choices=DIT_TOPOLOGIES, default=None)
     m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")

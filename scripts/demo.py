@@ -1,12 +1,17 @@
-"""`make demo`: train and compare Pre-Norm and SiameseNorm on real data, on a CPU, in a few minutes.
+"""`make demo`: train and compare Pre-Norm and SiameseNorm on real data, on a CPU.
 
 Each model family contributes one function ``demo_<family>(out_dir, args) -> (rows, curves)``; ``main`` runs
 the selected families, prints one table (Top-1, params, training images/s, wall time) and writes
-``<out>/loss_curves.png`` and ``<out>/results.json``. The DeiT part trains micro-DeiTs
-(``configs/fmnist_deit_{pre,siamese}.yaml``) on Fashion-MNIST and evaluates them on its 10k test images.
+``<out>/loss_curves.png`` and ``<out>/results.json``.
 
-    python -m scripts.demo                          # both topologies, default budget
-    python -m scripts.demo --train-images 10000     # quicker, less accurate
+* DeiT: micro-DeiTs (``configs/fmnist_deit_{pre,siamese}.yaml``) trained on Fashion-MNIST, Top-1 on its 10k
+  test images.
+* DiT: pixel-space micro-DiTs (``configs/fmnist_dit_{pre,siamese}.yaml``), EMA sample grids
+  (``<out>/dit_<topology>_grid.png``) and the Frechet distance of generated samples to the test set in the
+  features of a small Fashion-MNIST classifier (trained once and cached by ``scripts.train_fmnist_classifier``).
+
+    python -m scripts.demo                              # both families, both topologies, default budget
+    python -m scripts.demo --families deit --train-images 10000     # quicker, less accurate
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ def demo_deit(out_dir: Path, args) -> tuple:
     for topology in args.topologies:
         run_dir = out_dir / f"deit_{topology}"
         overrides = [f"train.output_dir={run_dir}", "train.resume=null", "train.tensorboard=false",
-                     f"optim.epochs={args.epochs}"]
+                     f"optim.epochs={args.epochs}", f"train.threads={args.threads}"]
         if args.train_images:
             overrides.append(f"data.max_train_samples={args.train_images}")
         cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_deit_{topology}.yaml", overrides)
@@ -46,7 +51,52 @@ def demo_deit(out_dir: Path, args) -> tuple:
     return rows, curves
 
 
-FAMILIES = {"deit": demo_deit}  # the diffusion demo registers here too
+def ensure_fmnist_classifier(args) -> None:
+    """The Fashion-MNIST feature extractor for the Frechet distance: train it once if the cache lacks it."""
+    from common.feature_extractors import FeatureExtractorError, resolve_weights
+    from scripts import train_fmnist_classifier
+
+    try:
+        resolve_weights("fmnist-cnn")
+    except FeatureExtractorError:
+        print(f"training the Fashion-MNIST feature classifier once ({args.classifier_epochs} epoch(s)) ...")
+        train_fmnist_classifier.main(["--epochs", str(args.classifier_epochs)])
+
+
+def demo_dit(out_dir: Path, args) -> tuple:
+    """Pixel-space micro-DiT Pre-Norm vs SiameseNorm on Fashion-MNIST: train, sample a grid, Frechet distance."""
+    from common.config import load_config
+    from common.logging import read_metrics
+    from diffusion import sample
+    from diffusion.fid import sample_and_score
+    from diffusion.train import TrainConfig, train
+
+    ensure_fmnist_classifier(args)
+    rows, curves = [], {}
+    for topology in args.topologies:
+        run_dir = out_dir / f"dit_{topology}"
+        overrides = [f"train.output_dir={run_dir}", "train.resume=null", "train.tensorboard=false",
+                     f"optim.steps={args.dit_steps}", "train.sample_every=0", f"train.threads={args.threads}"]
+        cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml", overrides)
+        start = time.perf_counter()
+        final = train(cfg)
+        wall = time.perf_counter() - start
+        records = read_metrics(run_dir)
+        curves[f"DiT {topology}"] = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+        speeds = [r["train/images_per_s_per_process"] for r in records if "train/images_per_s_per_process" in r]
+        checkpoint = run_dir / "ema.safetensors"
+        sample.main(["--checkpoint", str(checkpoint), "--grid", str(out_dir / f"dit_{topology}_grid.png"),
+                     "--steps", str(args.sample_steps), "--quiet"])
+        scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=args.fid_samples,
+                                  steps=args.sample_steps)
+        rows.append({"family": "DiT", "model": cfg.model.name, "topology": topology, "metric": "FD fmnist",
+                     "value": scores["metrics"]["fid"], "params": final["params"],
+                     "images_per_s": statistics.median(speeds) if speeds else float("nan"), "wall_s": wall,
+                     "data": f"{args.fid_samples} samples vs Fashion-MNIST test, fmnist-cnn features"})
+    return rows, curves
+
+
+FAMILIES = {"deit": demo_deit, "dit": demo_dit}
 
 
 def print_table(rows: list) -> None:
@@ -58,19 +108,24 @@ def print_table(rows: list) -> None:
 
 
 def plot_curves(curves: dict, path: Path) -> None:
+    """One panel per family (labels start with the family name): their losses live on different scales."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, points in curves.items():
-        steps, losses = zip(*points)
-        ax.plot(steps, losses, label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    families = sorted({label.split()[0] for label in curves})
+    fig, axes = plt.subplots(1, len(families), figsize=(6 * len(families), 4), squeeze=False)
+    for ax, family in zip(axes[0], families):
+        for label, points in curves.items():
+            if label.split()[0] == family and points:
+                steps, losses = zip(*points)
+                ax.plot(steps, losses, label=label)
+        ax.set_title(family)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -84,7 +139,17 @@ def main(argv=None) -> list:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo")
     parser.add_argument("--train-images", type=int, default=None, help="DeiT: first N Fashion-MNIST training images (default: all 60k)")
     parser.add_argument("--epochs", type=int, default=1, help="DeiT: passes over those images")
+    parser.add_argument("--dit-steps", type=int, default=1000, help="DiT: optimizer steps (batch 32)")
+    parser.add_argument("--sample-steps", type=int, default=50, help="DiT: respaced DDPM steps for grids and FD")
+    parser.add_argument("--fid-samples", type=int, default=500, help="DiT: samples for the Frechet distance")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 is fastest on a busy machine: idle OpenMP threads spin)")
+    parser.add_argument("--classifier-epochs", type=int, default=1,
+                        help="epochs of the Fashion-MNIST feature classifier, trained once if not cached")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
     for family in args.families:
