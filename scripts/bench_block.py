@@ -124,6 +124,19 @@ def print_report(results: Dict[str, dict], baseline: str = "pre", title: str = "
               f"{r['peak_mem_mb']:>9.1f} {r['params']:>12,} {extra:>+9,}")
 
 
+def add_timing_args(parser: argparse.ArgumentParser, batch_size: int, steps: int, warmup: int) -> None:
+    """The options every train-step benchmark shares (batch, steps, device, dtype, compile, checkpointing)."""
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="autocast dtype (float32: no autocast, TF32 matmuls on CUDA)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each model first")
+    parser.add_argument("--grad-checkpointing", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
 DEIT_SIZES = {"tiny": "deit_tiny_siamese_patch16_224", "small": "deit_small_siamese_patch16_224",
               "base": "deit_base_siamese_patch16_224"}
 
@@ -135,15 +148,7 @@ def main(argv: Sequence[str] | None = None):
     parser.add_argument("--img-size", type=int, default=32)
     parser.add_argument("--patch-size", type=int, default=4)
     parser.add_argument("--num-classes", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="autocast dtype (float32: no autocast)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each model first")
-    parser.add_argument("--grad-checkpointing", action="store_true")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_timing_args(parser, batch_size=64, steps=20, warmup=3)
     args = parser.parse_args(argv)
 
     import timm

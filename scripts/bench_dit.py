@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion.models import DiT_models
-from scripts.bench_block import print_report, time_train_steps
+from scripts.bench_block import add_timing_args, print_report, time_train_steps
 
 
 def dit_batch(batch_size: int, latent_size: int, in_channels: int, num_classes: int, seed: int = 0) -> tuple:
@@ -43,15 +43,7 @@ def main(argv: Sequence[str] | None = None):
     parser.add_argument("--latent-size", type=int, default=32, help="latent height/width (32 = 256px images)")
     parser.add_argument("--in-channels", type=int, default=4)
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="autocast dtype (float32: no autocast, TF32 matmuls on CUDA as the DiT recipe)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each model first")
-    parser.add_argument("--grad-checkpointing", action="store_true")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_timing_args(parser, batch_size=8, steps=10, warmup=2)
     args = parser.parse_args(argv)
 
     names = args.models.split(",")
