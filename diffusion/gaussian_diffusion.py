@@ -193,33 +193,6 @@ class GaussianDiffusion:
         sample = out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise
         return {"sample": sample, "pred_xstart": out["pred_xstart"]}
 
-    @torch.no_grad()
-    def p_sample_loop(
-        self,
-        model_fn: Callable[[Tensor, Tensor], Tensor],
-        noise: Tensor,
-        generator: Optional[torch.Generator] = None,
-        clip_denoised: bool = False,
-        progress: bool = False,
-    ) -> Tensor:
-        """Ancestral sampling from ``x_T = noise`` through every (respaced) step down to ``x_0``.
-
-        ``model_fn(x_t, model_timesteps)`` returns the network output (wrap the model there for class
-        labels or classifier-free guidance); the per-step noise is drawn from ``generator``.
-        """
-        x = noise
-        steps = range(self.num_timesteps - 1, -1, -1)
-        if progress:
-            from tqdm.auto import tqdm
-
-            steps = tqdm(steps, desc="sample", leave=False)
-        for i in steps:
-            t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
-            out = model_fn(x, self.model_timesteps(t))
-            step_noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-            x = self.p_sample(out, x, t, step_noise, clip_denoised=clip_denoised)["sample"]
-        return x
-
     # ------------------------------------------------------------------------------------------ losses
     def vb_terms_bpd(self, model_output: Tensor, x_start: Tensor, x_t: Tensor, t: Tensor) -> Tensor:
         """Per-sample VLB term in bits per dimension: ``KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t))`` for

@@ -44,7 +44,7 @@ from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
 from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_rng_state
 from diffusion.gaussian_diffusion import GaussianDiffusion
-from diffusion.latents import DEFAULT_VAE, LatentDataset, load_vae, sample_latents
+from diffusion.latents import DEFAULT_VAE, LatentDataset, sample_latents
 from diffusion.models import DiT, DiT_models
 
 
@@ -147,19 +147,24 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------------------- data
 class PixelImages(Dataset):
-    """Fashion-MNIST in [-1, 1], padded to ``image_size`` with the black background: ``(x0 (1, S, S), label)``."""
+    """Fashion-MNIST in [-1, 1], padded to ``image_size`` with the black background, randomly mirrored
+    when ``hflip``: ``(x0 (1, S, S), label)``."""
 
-    def __init__(self, split: str, image_size: int, root: Optional[str] = None, limit: Optional[int] = None):
+    def __init__(self, split: str, image_size: int, root: Optional[str] = None, limit: Optional[int] = None,
+                 hflip: bool = True):
         images, labels = load_fashion_mnist(split, root)
         self.images = torch.from_numpy(images[:limit].copy())
         self.labels = torch.from_numpy(labels[:limit].copy())
         self.pad = (image_size - self.images.shape[-1]) // 2
+        self.hflip = hflip
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
         x = self.images[i].float().div(127.5).sub(1.0)[None]
+        if self.hflip and torch.rand(()) < 0.5:
+            x = x.flip(-1)
         return torch.nn.functional.pad(x, (self.pad,) * 4, value=-1.0), int(self.labels[i])
 
 
@@ -185,13 +190,13 @@ class LatentImages(Dataset):
 
 
 class DiffusionExamples(Dataset):
-    """A complete training example ``(x0, label, t, noise, drop_label)``: all its randomness is drawn here,
-    so that under :class:`SeededDataset` it depends only on the sample's seed."""
+    """A complete training example ``(x0, label, t, noise, drop_label)``. Together with the image dataset's
+    own draws (latent, flip), all its randomness is drawn here, so that under :class:`SeededDataset` it
+    depends only on the sample's seed."""
 
-    def __init__(self, images: Dataset, num_timesteps: int, hflip: bool, class_dropout_prob: float):
+    def __init__(self, images: Dataset, num_timesteps: int, class_dropout_prob: float):
         self.images = images
         self.num_timesteps = num_timesteps
-        self.hflip = hflip and isinstance(images, PixelImages)  # latents flip by picking the stored view
         self.class_dropout_prob = class_dropout_prob
 
     def __len__(self) -> int:
@@ -199,8 +204,6 @@ class DiffusionExamples(Dataset):
 
     def __getitem__(self, i: int):
         x0, label = self.images[i]
-        if self.hflip and torch.rand(()) < 0.5:
-            x0 = x0.flip(-1)
         t = torch.randint(self.num_timesteps, ())
         noise = torch.randn_like(x0)
         drop = torch.rand(()) < self.class_dropout_prob
@@ -209,7 +212,7 @@ class DiffusionExamples(Dataset):
 
 def build_images(cfg: DataConfig) -> Dataset:
     if cfg.dataset == "fashion_mnist":
-        return PixelImages("train", cfg.image_size, cfg.path, cfg.max_samples)
+        return PixelImages("train", cfg.image_size, cfg.path, cfg.max_samples, cfg.hflip)
     images = LatentImages(cfg.path, cfg.hflip, cfg.max_samples)
     meta = images.moments.metadata
     if meta["image_size"] != cfg.image_size:
@@ -240,39 +243,36 @@ def weights_metadata(cfg: TrainConfig, sample_shape, step: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------- sampling
-@torch.no_grad()
-def sample_grid(model, cfg: TrainConfig, sample_shape, vae, scaling_factor: float, device) -> torch.Tensor:
-    """EMA samples of fixed noise and classes (comparable across the run), as images in [0, 1]."""
-    n = cfg.train.sample_count
-    g = torch.Generator(device="cpu").manual_seed(cfg.train.seed)
-    labels = (torch.arange(n) % cfg.data.num_classes).to(device)
-    noise = torch.randn(n, *sample_shape, generator=g).to(device)
+def build_grid_sampler(cfg: TrainConfig, ema_model, sample_shape, device):
+    """diffusion.sample's sampler on the EMA weights, with fixed per-image noise streams and classes, so
+    that the grids of one run are comparable from step to step."""
+    from diffusion.sample import Decoder, ModelSpec, Sampler
+
+    spec = ModelSpec(name=cfg.model.name, topology=cfg.model.topology, learn_sigma=cfg.model.learn_sigma,
+                     class_dropout_prob=cfg.model.class_dropout_prob, in_channels=sample_shape[0],
+                     input_size=sample_shape[1], num_classes=cfg.data.num_classes, kwargs=cfg.model.kwargs,
+                     autoencoder=cfg.data.autoencoder)
+    try:
+        decoder = Decoder(cfg.data.autoencoder, device)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} Or set train.sample_every=0 to train without sample grids.") from err
     diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start, cfg.diffusion.beta_end,
                                   learn_sigma=cfg.model.learn_sigma, sampling_steps=cfg.train.sample_steps)
-    guided = cfg.train.sample_cfg_scale != 1.0
-    null = torch.full_like(labels, cfg.data.num_classes)
-
-    def model_fn(x, t):
-        if not guided:
-            return model(x, t, labels)
-        out = model.forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]),
-                                     cfg.train.sample_cfg_scale)
-        return out[: x.shape[0]]
-
-    was_training = model.training
-    model.eval()
-    x = diffusion.p_sample_loop(model_fn, noise, generator=torch.Generator(device=device).manual_seed(cfg.train.seed))
-    model.train(was_training)
-    if vae is not None:
-        x = vae.decode(x / scaling_factor).sample
-    return ((x.float() + 1) / 2).clamp(0, 1).cpu()
+    return Sampler(ema_model, spec, decoder, diffusion, cfg_scale=cfg.train.sample_cfg_scale, seed=cfg.train.seed,
+                   device=str(device))
 
 
-def save_grid(images: torch.Tensor, path: Path) -> None:
+@torch.no_grad()
+def save_grid(sampler, cfg: TrainConfig, path: Path) -> None:
     from torchvision.utils import save_image
 
+    indices = torch.arange(cfg.train.sample_count)
+    was_training = sampler.model.training
+    sampler.model.eval()
+    images = sampler(indices, indices % cfg.data.num_classes)  # uint8 (B, C, H, W)
+    sampler.model.train(was_training)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(images, path, nrow=int(math.ceil(math.sqrt(len(images)))))
+    save_image(images.float() / 255.0, path, nrow=int(math.ceil(math.sqrt(len(images)))))
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -283,13 +283,13 @@ def train(cfg: TrainConfig) -> dict:
     rank, world = accelerator.process_index, accelerator.num_processes
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0:
+    if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0 and cfg.train.sample_every:
         raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
     images = build_images(cfg.data)
     if accelerator.is_main_process:
         save_config(cfg, run_dir / "config.yaml")
     sample_shape = tuple(images[0][0].shape)
-    examples = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.data.hflip, cfg.model.class_dropout_prob)
+    examples = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob)
     per_process_batch = check_divisible(cfg.optim.batch_size, world, cfg.optim.grad_accum)
     sampler = ResumableSampler(len(examples), world, rank, seed=cfg.train.seed)
     samples_per_step = per_process_batch * cfg.optim.grad_accum  # per process
@@ -316,13 +316,9 @@ def train(cfg: TrainConfig) -> dict:
     guard = NonFiniteGuard(cfg.train.max_nonfinite)
     ckpts = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_last, cfg.train.keep_every)
 
-    vae, scaling_factor = None, 1.0
-    if cfg.train.sample_every and accelerator.is_main_process and cfg.data.autoencoder != "none":
-        try:
-            vae = load_vae(cfg.data.autoencoder).to(accelerator.device).eval().requires_grad_(False)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"{err} Or set train.sample_every=0 to train without sample grids.") from err
-        scaling_factor = images.moments.scaling_factor
+    grid_sampler = None
+    if cfg.train.sample_every and accelerator.is_main_process:
+        grid_sampler = build_grid_sampler(cfg, ema.module, sample_shape, accelerator.device)
 
     step = 0
     resumed = resolve_resume(cfg.train.resume, ckpts)
@@ -353,8 +349,7 @@ def train(cfg: TrainConfig) -> dict:
 
     def save_samples():
         if accelerator.is_main_process:
-            save_grid(sample_grid(ema.module, cfg, sample_shape, vae, scaling_factor, accelerator.device),
-                      run_dir / "samples" / f"step_{step:07d}.png")
+            save_grid(grid_sampler, cfg, run_dir / "samples" / f"step_{step:07d}.png")
         accelerator.wait_for_everyone()
 
     window = dict.fromkeys(("loss", "mse", "vb", "grad_norm", "steps", "all_steps", "time", "wait"), 0.0)

@@ -1,6 +1,7 @@
 """The DiT trainer end to end on tiny pixel-space Fashion-MNIST runs (CPU)."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.config import load_config
-from common.logging import read_metrics
+from common.logging import NonFiniteLossError, read_metrics
 from common.train_state import CheckpointManager
 from diffusion.train import TrainConfig, main, train
 
@@ -28,6 +29,12 @@ torch.set_num_threads(1)
 def config(out, *overrides, topology="siamese"):
     return load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml",
                        [*TINY, f"train.output_dir={out}", *overrides])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def same_weights(a_dir, b_dir, exact=True):
@@ -93,7 +100,7 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
 def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
     args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,6 +111,17 @@ def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
     assert two == pytest.approx(one, rel=1e-5)  # the logged loss is the global-batch mean
     main([*args, "optim.grad_accum=2", f"train.output_dir={tmp_path / 'accum'}"])
     same_weights(reference, tmp_path / "accum", exact=False)
+    main([*args, "model.grad_checkpointing=true", f"train.output_dir={tmp_path / 'recompute'}"])
+    same_weights(reference, tmp_path / "recompute", exact=False)
+
+
+def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path):
+    # An absurd learning rate makes the weights overflow after the first update; every later loss is NaN.
+    with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
+        train(config(tmp_path, *SMALL, "optim.lr=1e30", "train.max_nonfinite=3", "train.ckpt_every=1"))
+    assert CheckpointManager(tmp_path / "checkpoints").steps()[-1] == 3  # step 4 (the third NaN) raised
+    counts = [r["train/nonfinite_steps"] for r in read_metrics(tmp_path) if "train/nonfinite_steps" in r]
+    assert counts[:3] == [0, 1, 2]
 
 
 def test_plain_mse_and_config_errors(tmp_path, capsys):

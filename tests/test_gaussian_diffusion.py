@@ -199,7 +199,7 @@ def test_p_sample_with_true_noise_recovers_posterior():
 
 
 @pytest.mark.parametrize("learn_sigma", [False, True])
-def test_p_sample_loop_with_exact_denoiser_reproduces_gaussian_data(learn_sigma):
+def test_ancestral_chain_with_exact_denoiser_reproduces_gaussian_data(learn_sigma):
     """For data N(0, s^2) the exact denoiser is linear, E[eps | x_t] = sqrt(1-abar) x_t / (abar s^2 + 1 - abar);
     ancestral sampling with it (respaced to 250 steps; variance beta_t, or the posterior's via v=-1) must
     give back std ~= s (a wrong timestep map gives ~1.9 s)."""
@@ -213,6 +213,9 @@ def test_p_sample_loop_with_exact_denoiser_reproduces_gaussian_data(learn_sigma)
         return torch.cat([eps, -torch.ones_like(eps)], 1) if learn_sigma else eps
 
     g = torch.Generator().manual_seed(0)
-    x = d.p_sample_loop(exact_eps, torch.randn(500, 40, generator=g), generator=g)  # 20000 iid values
+    x = torch.randn(500, 40, generator=g)  # 20000 iid values
+    for i in reversed(range(d.num_timesteps)):
+        t = torch.full((len(x),), i)
+        x = d.p_sample(exact_eps(x, d.model_timesteps(t)), x, t, torch.randn(x.shape, generator=g))["sample"]
     assert abs(x.std().item() - s) < 0.04 * s
     assert abs(x.mean().item()) < 0.02
