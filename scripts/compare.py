@@ -165,7 +165,7 @@ def diagnose_deit(run_dir: Path, opts) -> dict:
 def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     from common.config import load_config
     from common.logging import NonFiniteLossError
-    from diffusion import fid, sample
+    from diffusion.fid import sample_and_score
     from diffusion.train import TrainConfig, train
 
     if opts.data != "fashion_mnist":
@@ -184,15 +184,8 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
         return {"error": str(err)}
     if "stopped_at" in final:
         return {"stopped_at": final["stopped_at"]}
-    samples_dir = run_dir / "fid_samples"
-    sample.main(["--checkpoint", str(run_dir / "ema.safetensors"), "--num-samples", str(opts.fid_samples),
-                 "--out-dir", str(samples_dir), "--steps", str(opts.sample_steps), "--seed", "0", "--quiet"])
-    fid_args = ["--samples", str(samples_dir / "samples.npz"), "--reference", "fashion-mnist:test",
-                "--feature-extractor", "fmnist-cnn", "--num-workers", "0", "--quiet",
-                "--out", str(run_dir / "fid.json")]
-    if opts.feature_weights:
-        fid_args += ["--extractor-weights", str(opts.feature_weights)]
-    scores = fid.main(fid_args)
+    scores = sample_and_score(run_dir / "ema.safetensors", run_dir / "fid_samples", num_samples=opts.fid_samples,
+                              steps=opts.sample_steps, extractor_weights=opts.feature_weights)
     return {"fid": scores["metrics"]["fid"], "params": final.get("params"),
             "steps": final.get("steps"), "peak_lr": spec.lr}
 

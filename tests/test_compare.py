@@ -119,7 +119,7 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
                    "--set", "optim.batch_size=8", "model.kwargs.hidden_size=24", "data.num_workers=0"])
     run = tmp_path / "c" / "runs" / "siamese_d2_lr0.0003_s0"
     result = json.loads((run / "result.json").read_text())
-    assert result["fid"] == json.loads((run / "fid.json").read_text())["metrics"]["fid"] > 0
+    assert result["fid"] == json.loads((run / "fid_samples" / "fid.json").read_text())["metrics"]["fid"] > 0
     assert f"| 2 | 0.0003 | siamese | {result['fid']:.2f} ± 0.00 | 1/1 | 0 |" in report.read_text()
     diag = json.loads((run / "diagnostics.json").read_text())
     assert set(diag["hidden_state_norms"]["norms"]) == {"x", "y"} and len(diag["layer_removal"]["loss_increase"]) == 2
