@@ -246,3 +246,27 @@ def save_config(cfg, path: Union[str, os.PathLike]) -> Path:
     tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     os.replace(tmp, path)
     return path
+
+
+def config_from_cli(schema: Type[T], argv: Optional[Sequence[str]], *, prog: str, description: str,
+                    examples: Sequence[str]) -> T:
+    """The trainers' command line, ``--config RECIPE.yaml [section.key=value ...]``, parsed and validated.
+
+    ``--help`` lists every section and key of ``schema``; a config error exits with status 2 and its message.
+    """
+    import argparse
+
+    lines = ["settings (section.key=value; the YAML recipe gives the values):"]
+    for section in dataclasses.fields(schema):
+        names = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
+        lines.append(f"  {section.name}: {names}")
+    lines.append("\nexamples:\n" + "\n".join(f"  {e}" for e in examples))
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog="\n".join(lines),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML recipe (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value settings (values in YAML syntax)")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(schema, args.config, args.overrides)
+    except ConfigError as err:
+        parser.exit(2, f"error: {err}\n")

@@ -17,7 +17,6 @@ to continue bit-exactly mid-epoch (``train.resume=auto``, the default). The run 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -33,7 +32,7 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
 from common.checkpoint import bare_model, save_weights
-from common.config import ConfigError, config_to_dict, flatten, load_config, save_config
+from common.config import config_from_cli, config_to_dict, flatten, save_config
 from common.data import ResumableSampler
 from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
 from common.ema import ModelEma
@@ -313,35 +312,11 @@ def _load_state(state, model, ema, optimizer, scheduler, guard, sampler, rank, w
     return int(state["step"])
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m vision.train", description=__doc__.split("\n\n")[0],
-        epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML recipe, e.g. configs/deit_tiny_siamese.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.key=value settings (values in YAML syntax)")
-    return parser, parser.parse_args(argv)
-
-
-def _keys_help() -> str:
-    import dataclasses
-
-    lines = ["settings (section.key=value; the YAML recipe gives the values):"]
-    for section in dataclasses.fields(TrainConfig):
-        sub = section.default_factory()
-        names = ", ".join(f.name for f in dataclasses.fields(sub))
-        lines.append(f"  {section.name}: {names}")
-    lines.append("\nexamples:\n  python -m vision.train --config configs/fmnist_deit_siamese.yaml optim.epochs=2\n"
-                 "  accelerate launch --multi_gpu --num_processes 8 -m vision.train "
-                 "--config configs/deit_tiny_siamese.yaml data.path=/data/imagenet")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> dict:
-    parser, args = parse_args(argv)
-    try:
-        cfg = load_config(TrainConfig, args.config, args.overrides)
-    except ConfigError as err:
-        parser.exit(2, f"error: {err}\n")
+    cfg = config_from_cli(TrainConfig, argv, prog="python -m vision.train", description=__doc__.split("\n\n")[0],
+                          examples=["python -m vision.train --config configs/fmnist_deit_siamese.yaml optim.epochs=2",
+                                    "accelerate launch --multi_gpu --num_processes 8 -m vision.train "
+                                    "--config configs/deit_tiny_siamese.yaml data.path=/data/imagenet"])
     return train(cfg)
 
 
