@@ -433,7 +433,7 @@ def parse_args(argv=None):
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
     p.add_argument("--device", default=None, help="default: this process's accelerator device")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no JSON summary on stdout")
     return p.parse_args(argv)
 
 
@@ -474,7 +474,7 @@ def main(argv=None) -> Optional[dict]:
             result = run_num_samples(args, sampler, state)
     except (SamplingError, CheckpointError, MetricsError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from err
-    if result is not None:
+    if result is not None and not args.quiet:
         print(json.dumps(result, indent=2, default=str))
     return result
 

@@ -86,6 +86,7 @@ def demo_dit(out_dir: Path, args) -> tuple:
         speeds = [r["train/images_per_s_per_process"] for r in records if "train/images_per_s_per_process" in r]
         checkpoint = run_dir / "ema.safetensors"
         sample.main(["--checkpoint", str(checkpoint), "--grid", str(out_dir / f"dit_{topology}_grid.png"),
+                     "--labels", ",".join(str(i % 10) for i in range(30)), "--nrow", "10",
                      "--steps", str(args.sample_steps), "--quiet"])
         scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=args.fid_samples,
                                   steps=args.sample_steps)
@@ -139,7 +140,7 @@ def main(argv=None) -> list:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo")
     parser.add_argument("--train-images", type=int, default=None, help="DeiT: first N Fashion-MNIST training images (default: all 60k)")
     parser.add_argument("--epochs", type=int, default=1, help="DeiT: passes over those images")
-    parser.add_argument("--dit-steps", type=int, default=1000, help="DiT: optimizer steps (batch 32)")
+    parser.add_argument("--dit-steps", type=int, default=1500, help="DiT: optimizer steps (batch 32)")
     parser.add_argument("--sample-steps", type=int, default=50, help="DiT: respaced DDPM steps for grids and FD")
     parser.add_argument("--fid-samples", type=int, default=500, help="DiT: samples for the Frechet distance")
     parser.add_argument("--threads", type=int, default=1,
