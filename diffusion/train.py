@@ -17,6 +17,11 @@ A non-finite loss skips the update; ``train.max_nonfinite`` in a row stops the r
 gets ``config.yaml``, ``metrics.jsonl``, TensorBoard events (``tb/``), ``checkpoints/`` (``train.resume=auto``
 continues the newest), EMA sample grids (``samples/``), ``ema.safetensors`` (refreshed at every checkpoint,
 what the sampler loads), ``model.safetensors`` and ``final_metrics.json``.
+
+With ``train.fid_every=N`` the EMA model is scored every N steps (and at the end): ``train.fid_samples`` images
+from diffusion.sample's sampler (sample ``i``: class ``i % num_classes``, noise seeded by ``(train.seed, i)``,
+no guidance) against ``train.fid_reference``, logged as ``fid/fd`` in ``metrics.jsonl``. It is the number
+``diffusion.sample --seed SEED --steps FID_STEPS`` then ``diffusion.fid`` give for ``ema.safetensors`` of that step.
 """
 from __future__ import annotations
 
@@ -134,6 +139,29 @@ class RunConfig:
     sample_count: int = 16  # images in a grid
     sample_steps: int = 100  # respaced DDPM steps for the grids
     sample_cfg_scale: float = 1.0  # classifier-free guidance for the grids (1 = none)
+    fid_every: int = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
+    fid_samples: int = 5000  # images generated per evaluation (class i % num_classes, as diffusion.sample)
+    fid_steps: int = 250  # respaced DDPM steps (diffusion.sample's default), no guidance
+    fid_batch_size: int = 64  # samples per forward pass (diffusion.sample's --batch-size default)
+    fid_reference: Optional[str] = None  # fashion-mnist:test, image folder, .npz images, or statistics .npz (ADM's)
+    fid_feature_extractor: str = "inception-v3-compat"  # or fmnist-cnn (the CPU recipe)
+    fid_extractor_weights: Optional[str] = None  # weights file; null: the extractor's cache (see diffusion.fid)
+
+    def __post_init__(self):
+        from common.feature_extractors import FEATURE_EXTRACTORS_REGISTRY
+
+        if self.fid_every < 0:
+            raise ValueError(f"train.fid_every={self.fid_every}: a number of steps, or 0 for no in-training FID")
+        if self.fid_every and not self.fid_reference:
+            raise ValueError("train.fid_every > 0 needs train.fid_reference: fashion-mnist:test, an image folder, an "
+                             ".npz of images, or a statistics .npz (e.g. ADM's VIRTUAL_imagenet256_labeled.npz); "
+                             "or set train.fid_every=0")
+        if self.fid_samples < 2 or self.fid_steps < 1 or self.fid_batch_size < 1:
+            raise ValueError(f"train.fid_samples={self.fid_samples} must be >= 2, train.fid_steps={self.fid_steps} "
+                             f"and train.fid_batch_size={self.fid_batch_size} >= 1")
+        if self.fid_feature_extractor not in FEATURE_EXTRACTORS_REGISTRY:
+            raise ValueError(f"train.fid_feature_extractor={self.fid_feature_extractor!r} is not registered; "
+                             f"choose one of {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}")
 
 
 @dataclass
@@ -243,23 +271,40 @@ def weights_metadata(cfg: TrainConfig, sample_shape, step: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------- sampling
-def build_grid_sampler(cfg: TrainConfig, ema_model, sample_shape, device):
-    """diffusion.sample's sampler on the EMA weights, with fixed per-image noise streams and classes, so
-    that the grids of one run are comparable from step to step."""
-    from diffusion.sample import Decoder, ModelSpec, Sampler
+def build_decoder(cfg: TrainConfig, device):
+    """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once."""
+    from diffusion.sample import Decoder
+
+    try:
+        return Decoder(cfg.data.autoencoder, device)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} Or set train.sample_every=0 and train.fid_every=0 to train without "
+                                "sample grids and in-training FID.") from err
+
+
+def build_sampler(cfg: TrainConfig, ema_model, sample_shape, device, decoder, steps: int, cfg_scale: float = 1.0):
+    """diffusion.sample's sampler on the EMA weights, with fixed per-image noise streams (seeded by
+    ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
+    from diffusion.sample import ModelSpec, Sampler
 
     spec = ModelSpec(name=cfg.model.name, topology=cfg.model.topology, learn_sigma=cfg.model.learn_sigma,
                      class_dropout_prob=cfg.model.class_dropout_prob, in_channels=sample_shape[0],
                      input_size=sample_shape[1], num_classes=cfg.data.num_classes, kwargs=cfg.model.kwargs,
                      autoencoder=cfg.data.autoencoder)
-    try:
-        decoder = Decoder(cfg.data.autoencoder, device)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} Or set train.sample_every=0 to train without sample grids.") from err
     diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start, cfg.diffusion.beta_end,
-                                  learn_sigma=cfg.model.learn_sigma, sampling_steps=cfg.train.sample_steps)
-    return Sampler(ema_model, spec, decoder, diffusion, cfg_scale=cfg.train.sample_cfg_scale, seed=cfg.train.seed,
-                   device=str(device))
+                                  learn_sigma=cfg.model.learn_sigma, sampling_steps=steps)
+    return Sampler(ema_model, spec, decoder, diffusion, cfg_scale=cfg_scale, seed=cfg.train.seed, device=str(device))
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Sample in eval mode (no label dropout), then restore the training flag."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
@@ -267,12 +312,58 @@ def save_grid(sampler, cfg: TrainConfig, path: Path) -> None:
     from torchvision.utils import save_image
 
     indices = torch.arange(cfg.train.sample_count)
-    was_training = sampler.model.training
-    sampler.model.eval()
-    images = sampler(indices, indices % cfg.data.num_classes)  # uint8 (B, C, H, W)
-    sampler.model.train(was_training)
+    with eval_mode(sampler.model):
+        images = sampler(indices, indices % cfg.data.num_classes)  # uint8 (B, C, H, W)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_image(images.float() / 255.0, path, nrow=int(math.ceil(math.sqrt(len(images)))))
+
+
+class InTrainingFid:
+    """Frechet distance of the EMA model's samples to a reference, as diffusion.sample + diffusion.fid compute it.
+
+    Built once per run: the feature extractor and the reference statistics; each call only samples, extracts
+    features and measures. Written here rather than calling ``compute_metrics`` per evaluation because that
+    rebuilds the extractor and re-reads the reference every time; the pieces are common.metrics' own.
+    """
+
+    def __init__(self, cfg: RunConfig, device, num_workers: int = 0):
+        from common.feature_extractors import build_feature_extractor, default_layer
+        from common.metrics import FeatureStatistics, _check_statistics_match, extract_features, open_reference
+
+        self.cfg, self.name = cfg, cfg.fid_feature_extractor
+        self.layer = default_layer(self.name, "fid")
+        self.extractor = build_feature_extractor(self.name, [self.layer], cfg.fid_extractor_weights, device)
+        reference = open_reference(cfg.fid_reference)
+        meta = dict(feature_extractor=self.name, feature_layer=self.layer)
+        if reference.statistics is not None:
+            _check_statistics_match(reference.statistics, self.name, self.layer, reference.source)
+            self.reference = reference.statistics
+        else:
+            features = extract_features(reference.images, self.extractor, num_workers=num_workers)[self.layer]
+            self.reference = FeatureStatistics.from_features(features, **meta)
+        self.source = reference.source
+        if cfg.fid_samples <= len(self.reference.mu):
+            warnings.warn(f"train.fid_samples={cfg.fid_samples} for {len(self.reference.mu)}-d features: the "
+                          "covariance is singular and the Frechet distance strongly biased; compare only numbers "
+                          "with equal sample counts", stacklevel=2)
+
+    @torch.no_grad()
+    def __call__(self, sampler) -> dict:
+        from common.metrics import FeatureStatistics, _check_statistics_match, extract_features, frechet_distance
+        from common.metrics import open_images
+        from diffusion.sample import balanced_labels
+
+        n, b = self.cfg.fid_samples, self.cfg.fid_batch_size
+        start = time.perf_counter()
+        with eval_mode(sampler.model):
+            images = torch.cat([sampler(idx, balanced_labels(idx, sampler.spec.num_classes))
+                                for idx in torch.arange(n).split(b)])
+        features = extract_features(open_images(images), self.extractor)[self.layer]
+        stats = FeatureStatistics.from_features(features)
+        _check_statistics_match(self.reference, self.name, self.layer, self.source, dim=len(stats.mu))
+        fd = frechet_distance(stats.mu, stats.sigma, self.reference.mu, self.reference.sigma)
+        return {"fid/fd": fd, "fid/samples": n, "fid/steps": self.cfg.fid_steps,
+                "fid/seconds": time.perf_counter() - start}
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -316,9 +407,15 @@ def train(cfg: TrainConfig) -> dict:
     guard = NonFiniteGuard(cfg.train.max_nonfinite)
     ckpts = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_last, cfg.train.keep_every)
 
-    grid_sampler = None
-    if cfg.train.sample_every and accelerator.is_main_process:
-        grid_sampler = build_grid_sampler(cfg, ema.module, sample_shape, accelerator.device)
+    grid_sampler = fid_sampler = fid = None
+    if (cfg.train.sample_every or cfg.train.fid_every) and accelerator.is_main_process:
+        decoder = build_decoder(cfg, accelerator.device)
+        if cfg.train.sample_every:
+            grid_sampler = build_sampler(cfg, ema.module, sample_shape, accelerator.device, decoder,
+                                         cfg.train.sample_steps, cfg.train.sample_cfg_scale)
+        if cfg.train.fid_every:
+            fid_sampler = build_sampler(cfg, ema.module, sample_shape, accelerator.device, decoder, cfg.train.fid_steps)
+            fid = InTrainingFid(cfg.train, accelerator.device, cfg.data.num_workers)
 
     step = 0
     resumed = resolve_resume(cfg.train.resume, ckpts)
@@ -350,6 +447,16 @@ def train(cfg: TrainConfig) -> dict:
     def save_samples():
         if accelerator.is_main_process:
             save_grid(grid_sampler, cfg, run_dir / "samples" / f"step_{step:07d}.png")
+        accelerator.wait_for_everyone()
+
+    last_fid: dict = {}
+
+    def evaluate_fid():  # main process only; the others wait
+        nonlocal last_fid
+        if accelerator.is_main_process:
+            last_fid = fid(fid_sampler)
+            logger.log(last_fid, step)
+            bar.set_postfix(fd=f"{last_fid['fid/fd']:.3f}")
         accelerator.wait_for_everyone()
 
     window = dict.fromkeys(("loss", "mse", "vb", "grad_norm", "steps", "all_steps", "time", "wait"), 0.0)
@@ -413,6 +520,8 @@ def train(cfg: TrainConfig) -> dict:
                 last_saved = step
             if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or last_step):
                 save_samples()
+            if cfg.train.fid_every and (step % cfg.train.fid_every == 0 or last_step):
+                evaluate_fid()
             if stop_now:
                 bar.close()
                 logger.close()
@@ -426,6 +535,8 @@ def train(cfg: TrainConfig) -> dict:
         save_checkpoint()
     final = {"steps": step, "params": n_params, "nonfinite_steps": guard.total,
              **{k.split("/", 1)[1]: v for k, v in last_record.items()}}
+    if last_fid:
+        final.update(fid=last_fid["fid/fd"], fid_samples=last_fid["fid/samples"], fid_step=step)
     if accelerator.is_main_process:
         save_weights(model, run_dir / "model.safetensors", metadata=meta(step))
         save_weights(ema.module, run_dir / "ema.safetensors", metadata=meta(step))

@@ -145,3 +145,39 @@ def test_imagenet_recipes_state_method_section_4(name, topology, model):
     assert (o.batch_size, o.lr, o.weight_decay, o.steps, cfg.train.ema_decay) == (256, 1e-4, 0.0, 400_000, 0.9999)
     assert (d.num_timesteps, d.beta_start, d.beta_end) == (1000, 1e-4, 0.02)
     assert (cfg.data.dataset, cfg.data.image_size, cfg.data.hflip, cfg.data.num_classes) == ("latents", 256, True, 1000)
+
+
+def test_in_training_fid_equals_sample_then_fid_of_the_saved_ema(tmp_path):
+    """fid/fd logged at steps 2 and 3 (the end); at step 3 it is diffusion.sample + diffusion.fid of ema.safetensors."""
+    from common.checkpoint import save_weights
+    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)  # random features: the pipeline, not the quality, is tested
+    fid = ["train.fid_every=2", "train.fid_samples=16", "train.fid_steps=3", "train.fid_reference=fashion-mnist:test",
+           "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={weights}"]
+    with pytest.warns(UserWarning, match="covariance is singular"):  # 16 samples, 128-d features
+        final = train(config(tmp_path / "run", *SMALL, "optim.steps=3", "train.seed=5", *fid))
+    logged = [r for r in read_metrics(tmp_path / "run") if "fid/fd" in r]
+    assert [(r["step"], r["fid/samples"], r["fid/steps"]) for r in logged] == [(2, 16, 3), (3, 16, 3)]
+    assert logged[0]["fid/fd"] != logged[1]["fid/fd"] and final["fid"] == logged[1]["fid/fd"]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        direct = sample_and_score(tmp_path / "run" / "ema.safetensors", tmp_path / "direct", num_samples=16, steps=3,
+                                  extractor_weights=weights, seed=5)
+    assert direct["metrics"]["fid"] == logged[1]["fid/fd"]
+
+
+def test_in_training_fid_config_errors(tmp_path, capsys):
+    # Tiny settings: a case that wrongly passes validation fails fast instead of training the whole recipe.
+    base = ["--config", str(ROOT / "configs/fmnist_dit_pre.yaml"), *TINY, *SMALL, "optim.steps=1",
+            f"train.output_dir={tmp_path}"]
+    for overrides, message in ((["train.fid_every=10", "train.fid_reference=null"],
+                                "train.fid_every > 0 needs train.fid_reference"),
+                               (["train.fid_feature_extractor=inception"], "choose one of"),
+                               (["train.fid_every=10", "train.fid_reference=fashion-mnist:test", "train.fid_samples=1"],
+                                "must be >= 2")):
+        with pytest.raises(SystemExit):
+            main([*base, *overrides])
+        assert message in capsys.readouterr().err
