@@ -25,9 +25,7 @@ no guidance) against ``train.fid_reference``, logged as ``fid/fd`` in ``metrics.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import inspect
 import json
 import math
@@ -42,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint import bare_model, save_weights
-from common.config import ConfigError, config_to_dict, flatten, load_config, save_config
+from common.config import config_from_cli, config_to_dict, flatten, save_config
 from common.data import ResumableSampler, SeededDataset, load_fashion_mnist
 from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
 from common.ema import ModelEma
@@ -564,34 +562,12 @@ def _load_state(state, model, ema, optimizer, guard, sampler, rank, world, path)
 
 
 # -------------------------------------------------------------------------------------------- CLI
-def _keys_help() -> str:
-    lines = ["settings (section.key=value; the YAML recipe gives the values):"]
-    for section in dataclasses.fields(TrainConfig):
-        names = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
-        lines.append(f"  {section.name}: {names}")
-    lines.append(
-        "\nexamples:\n"
-        "  python -m diffusion.train --config configs/fmnist_dit_siamese.yaml optim.steps=500\n"
-        "  accelerate launch --multi_gpu --num_processes 8 -m diffusion.train "
-        "--config configs/dit_b2_siamese.yaml data.path=latents/imagenet256 data.autoencoder=/models/sd-vae-ft-ema"
-    )
-    return "\n".join(lines)
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m diffusion.train", description=__doc__.split("\n\n")[0],
-                                     epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML recipe, e.g. configs/dit_b2_siamese.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.key=value settings (values in YAML syntax)")
-    return parser, parser.parse_args(argv)
-
-
 def main(argv=None) -> dict:
-    parser, args = parse_args(argv)
-    try:
-        cfg = load_config(TrainConfig, args.config, args.overrides)
-    except ConfigError as err:
-        parser.exit(2, f"error: {err}\n")
+    cfg = config_from_cli(
+        TrainConfig, argv, prog="python -m diffusion.train", description=__doc__.split("\n\n")[0],
+        examples=["python -m diffusion.train --config configs/fmnist_dit_siamese.yaml optim.steps=500",
+                  "accelerate launch --multi_gpu --num_processes 8 -m diffusion.train --config configs/dit_b2_siamese.yaml "
+                  "data.path=latents/imagenet256 data.autoencoder=/models/sd-vae-ft-ema"])
     return train(cfg)
 
 
