@@ -137,6 +137,15 @@ def add_timing_args(parser: argparse.ArgumentParser, batch_size: int, steps: int
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
+def apply_timing_args(args: argparse.Namespace) -> None:
+    """CPU threads as asked; TF32 matmuls on CUDA (the fp32 setting of the DiT recipe)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 DEIT_SIZES = {"tiny": "deit_tiny_siamese_patch16_224", "small": "deit_small_siamese_patch16_224",
               "base": "deit_base_siamese_patch16_224"}
 
@@ -155,11 +164,7 @@ def main(argv: Sequence[str] | None = None):
 
     import vision  # noqa: F401
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    apply_timing_args(args)
     topologies = args.topologies.split(",")
 
     def builder(topology):

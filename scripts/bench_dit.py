@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion.models import DiT_models
-from scripts.bench_block import add_timing_args, print_report, time_train_steps
+from scripts.bench_block import add_timing_args, apply_timing_args, print_report, time_train_steps
 
 
 def dit_batch(batch_size: int, latent_size: int, in_channels: int, num_classes: int, seed: int = 0) -> tuple:
@@ -50,11 +50,7 @@ def main(argv: Sequence[str] | None = None):
     unknown = [n for n in names if n not in DiT_models]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; valid names are {', '.join(DiT_models)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    apply_timing_args(args)
     topologies = args.topologies.split(",")
     batch = dit_batch(args.batch_size, args.latent_size, args.in_channels, args.num_classes)
 
