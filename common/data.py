@@ -11,8 +11,7 @@ first, then under a torchvision root (``<root>/FashionMNIST/raw`` or ``<root>`` 
 Sampling::
 
     sampler = ResumableSampler(len(ds), num_replicas=world, rank=rank, seed=0, repeats=3)
-    loader = DataLoader(SeededDataset(ds), batch_size=b, sampler=sampler, drop_last=True,
-                        generator=torch.Generator())  # keeps the loader off the global torch RNG
+    loader = build_train_loader(ds, sampler, batch_size=b, num_workers=w)
     sampler.set_epoch(epoch, start=samples_already_consumed_globally)
 
 :class:`ResumableSampler` yields ``(index, sample_seed)``; :class:`SeededDataset` runs the wrapped
@@ -34,7 +33,7 @@ from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -233,3 +232,12 @@ class ResumableSampler(Sampler):
         return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "repeats": self.repeats,
                 "total": self.total, "num_samples": self.num_samples}
 
+
+def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int) -> DataLoader:
+    """Per-process training loader over a :class:`ResumableSampler`, items seeded per sample.
+
+    The loader's own generator keeps it off the global torch RNG, so training randomness depends only on the
+    per-sample seeds (not on workers, processes or resumes).
+    """
+    return DataLoader(SeededDataset(dataset), batch_size=batch_size, sampler=sampler, drop_last=True,
+                      num_workers=num_workers, pin_memory=torch.cuda.is_available(), generator=torch.Generator())

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any, Dict, Literal, Optional, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from common.checkpoint import bare_model, save_weights
 from common.config import config_from_cli, config_to_dict, flatten, save_config
-from common.data import ResumableSampler, SeededDataset, load_fashion_mnist
+from common.data import ResumableSampler, build_train_loader, load_fashion_mnist
 from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
@@ -386,10 +386,7 @@ def train(cfg: TrainConfig) -> dict:
     if steps_per_epoch == 0:
         raise ValueError(f"{len(examples)} training examples are fewer than one global batch "
                          f"({cfg.optim.batch_size}); lower optim.batch_size or use more data")
-    # Per-sample seeds, not the global RNG, drive the examples; the loader's generator keeps it that way.
-    loader = DataLoader(SeededDataset(examples), batch_size=per_process_batch, sampler=sampler, drop_last=True,
-                        num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available(),
-                        generator=torch.Generator())
+    loader = build_train_loader(examples, sampler, per_process_batch, cfg.data.num_workers)
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank
     model = build_model(cfg, sample_shape).to(accelerator.device)

@@ -9,7 +9,7 @@
 * :func:`build_transform`: timm's ``create_transform`` (RandAugment, random-resized crop, random erasing;
   eval: resize ``input_size / crop_pct`` + center crop).
 * :func:`build_mixup`: timm's ``Mixup`` (mixup/cutmix with label smoothing -> soft targets) or None.
-* :func:`build_train_loader` / :func:`build_eval_loader`.
+* :func:`build_eval_loader` (the training loader is :func:`common.data.build_train_loader`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform
 
-from common.data import FashionMNIST, ResumableSampler, SeededDataset
+from common.data import FashionMNIST
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -185,14 +185,6 @@ def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
 
 
 # ----------------------------------------------------------------------------- loaders
-
-def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int) -> DataLoader:
-    """Per-process training loader over a :class:`ResumableSampler` (augmentations seeded per sample)."""
-    return DataLoader(
-        SeededDataset(dataset), batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(), generator=torch.Generator(),  # loader stays off the global RNG
-    )
-
 
 def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoader:
     """Sequential evaluation loader (shard it with ``accelerator.prepare``)."""

@@ -33,12 +33,12 @@ from timm.scheduler import CosineLRScheduler
 
 from common.checkpoint import bare_model, save_weights
 from common.config import config_from_cli, config_to_dict, flatten, save_config
-from common.data import ResumableSampler
+from common.data import ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
 from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_rng_state
-from vision.data import (AugmentConfig, DataConfig, build_dataset, build_eval_loader, build_mixup, build_train_loader,
+from vision.data import (AugmentConfig, DataConfig, build_dataset, build_eval_loader, build_mixup,
                          build_transform, skipped_images)
 from vision.evaluate import ModelConfig, build_model, evaluate
 
