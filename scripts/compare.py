@@ -125,6 +125,19 @@ def _imagefolder_overrides(path: str, image_size: int) -> List[str]:
     return [f"data.path={path}", f"data.num_classes={len(classes)}", f"data.input_size={image_size}"]
 
 
+def run_trainer(train, cfg) -> tuple:
+    """``(final_metrics, None)``, or ``(None, result)`` for a run that stopped on NaNs or at ``train.stop_at_step``."""
+    from common.logging import NonFiniteLossError
+
+    try:
+        final = train(cfg)
+    except NonFiniteLossError as err:
+        return None, {"error": str(err)}
+    if "stopped_at" in final:
+        return None, {"stopped_at": final["stopped_at"]}
+    return final, None
+
+
 def deit_model_name(topology: str) -> str:
     """timm's own DeiT is the Pre-Norm baseline; the others are registered by ``vision``."""
     return "deit_tiny_patch16_224" if topology == "pre" else f"deit_tiny_{topology}_patch16_224"
@@ -132,7 +145,6 @@ def deit_model_name(topology: str) -> str:
 
 def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
     from common.config import load_config
-    from common.logging import NonFiniteLossError
     from vision.train import TrainConfig, train
 
     overrides = [f"model.name={deit_model_name(spec.topology)}", f"model.kwargs.depth={spec.depth}",
@@ -146,12 +158,9 @@ def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
         overrides += ["data.dataset=imagefolder", "data.mean=[0.485, 0.456, 0.406]", "data.std=[0.229, 0.224, 0.225]",
                       f"model.kwargs.patch_size={max(1, size // 4)}"] + _imagefolder_overrides(opts.data, size)
     cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_deit.yaml", overrides + list(opts.set))
-    try:
-        final = train(cfg)
-    except NonFiniteLossError as err:
-        return {"error": str(err)}
-    if "stopped_at" in final:
-        return {"stopped_at": final["stopped_at"]}
+    final, unfinished = run_trainer(train, cfg)
+    if unfinished:
+        return unfinished
     return {"top1": final["val/top1"], "val_loss": final["val/loss"], "params": final["params"],
             "steps": final["steps"], "peak_lr": cfg.optim.lr}
 
@@ -164,7 +173,6 @@ def diagnose_deit(run_dir: Path, opts) -> dict:
 
 def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     from common.config import load_config
-    from common.logging import NonFiniteLossError
     from diffusion.fid import sample_and_score
     from diffusion.train import TrainConfig, train
 
@@ -178,12 +186,9 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     if opts.train_images:
         overrides.append(f"data.max_samples={opts.train_images}")
     cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_dit.yaml", overrides + list(opts.set))
-    try:
-        final = train(cfg)
-    except NonFiniteLossError as err:
-        return {"error": str(err)}
-    if "stopped_at" in final:
-        return {"stopped_at": final["stopped_at"]}
+    final, unfinished = run_trainer(train, cfg)
+    if unfinished:
+        return unfinished
     scores = sample_and_score(run_dir / "ema.safetensors", run_dir / "fid_samples", num_samples=opts.fid_samples,
                               steps=opts.sample_steps, extractor_weights=opts.feature_weights)
     return {"fid": scores["metrics"]["fid"], "params": final.get("params"),
