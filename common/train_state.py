@@ -154,3 +154,16 @@ def resolve_resume(resume: Optional[str], manager: CheckpointManager) -> Optiona
         raise FileNotFoundError(f"resume={resume!r}: no such checkpoint file; use resume=auto to continue the "
                                 f"newest checkpoint in {manager.directory}, or resume=null to start fresh")
     return path, load_training_checkpoint(path)
+
+
+def restore_process_rng(rng_states: list, rank: int, world: int, path) -> None:
+    """Restore this rank's RNG states from a checkpoint written by ``len(rng_states)`` processes.
+
+    With another process count the states cannot be matched to ranks: warn and keep the fresh seeds (per-sample
+    seeded data stays identical; only global-RNG users such as drop path or mixup are re-seeded).
+    """
+    if len(rng_states) == world:
+        restore_rng_state(rng_states[rank])
+    else:
+        warnings.warn(f"{path} was written by {len(rng_states)} processes, this run has {world}: the data order stays "
+                      "the same, but randomness drawn from the global RNGs is re-seeded")

@@ -45,7 +45,7 @@ from common.data import ResumableSampler, build_train_loader, load_fashion_mnist
 from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
-from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_rng_state
+from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_process_rng
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.latents import DEFAULT_VAE, LatentDataset, sample_latents
 from diffusion.models import DiT, DiT_models
@@ -550,11 +550,7 @@ def _load_state(state, model, ema, optimizer, guard, sampler, rank, world, path)
     if state["sampler"]["num_samples"] != sampler.num_samples:
         raise ValueError(f"{path} was trained on {state['sampler']['num_samples']} examples, this run has "
                          f"{sampler.num_samples}: the data changed (data.path / data.max_samples)")
-    rng = state["rng"]
-    if len(rng) == world:
-        restore_rng_state(rng[rank])
-    else:  # training examples are seeded per sample, so only RNG-using extensions would notice
-        warnings.warn(f"{path} was written by {len(rng)} processes, this run has {world}; global RNGs are re-seeded")
+    restore_process_rng(state["rng"], rank, world, path)
     return int(state["step"])
 
 

@@ -37,7 +37,7 @@ from common.data import ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, reduce_mean, seed_everything
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
-from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_rng_state
+from common.train_state import CheckpointManager, capture_rng_state, resolve_resume, restore_process_rng
 from vision.data import (AugmentConfig, DataConfig, build_dataset, build_eval_loader, build_mixup,
                          build_transform, skipped_images)
 from vision.evaluate import ModelConfig, build_model, evaluate
@@ -301,14 +301,7 @@ def _load_state(state, model, ema, optimizer, scheduler, guard, sampler, rank, w
     if saved["num_samples"] != sampler.num_samples or saved["repeats"] != sampler.repeats:
         raise ValueError(f"{path} was trained on {saved['num_samples']} samples x{saved['repeats']} repeats, this run "
                          f"has {sampler.num_samples} x{sampler.repeats}: the data or augment.repeated_aug changed")
-    rng = state["rng"]
-    if len(rng) == world:
-        restore_rng_state(rng[rank])
-    else:
-        import warnings
-
-        warnings.warn(f"{path} was written by {len(rng)} processes, this run has {world}: batches stay the same, "
-                      "but drop-path/mixup randomness is re-seeded")
+    restore_process_rng(state["rng"], rank, world, path)
     return int(state["step"])
 
 
