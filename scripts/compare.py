@@ -1,7 +1,7 @@
 """Compare residual topologies (Pre-Norm, Post-Norm, SiameseNorm, ...) over learning rates, depths and seeds.
 
-    python -m scripts.compare --task deit --quick                       # ~15 min on 2 CPU cores
-    python -m scripts.compare --task deit                               # the overnight CPU preset
+    python -m scripts.compare --task deit --quick                       # 18 short runs, ~10-20 min on 2 CPU cores
+    python -m scripts.compare --task deit                               # the full CPU preset: 36 runs, ~80 min
     python -m scripts.compare --task deit --data /data/my_imagefolder --topologies pre siamese --lrs 1e-3 --seeds 0 1
     python -m scripts.compare --task dit --quick --feature-weights ~/.cache/siamesenorm/fmnist_cnn.safetensors
 
@@ -41,7 +41,7 @@ PRESETS = {
     ("deit", True): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6], seeds=[0, 1, 2],
                          train_images=12000, epochs=1, val_images=2000, diag_images=500, log_every=5),
     ("deit", False): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6, 12], seeds=[0, 1, 2],
-                          train_images=None, epochs=2, val_images=None, diag_images=2000, log_every=25),
+                          train_images=None, epochs=1, val_images=None, diag_images=2000, log_every=25),
     ("dit", True): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4], seeds=[0],
                         train_images=4000, steps=300, ema_decay=0.99, fid_samples=200, sample_steps=25, diag_images=64,
                         log_every=10),
@@ -502,7 +502,9 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
                   "(sec. 5.1). Numbers in the JSON next to each PNG.", ""]
         for (depth, lr), kind, png in written:
             lines.append(f"![{kind} depth {depth} lr {lr:g}]({png.relative_to(report_dir).as_posix()})")
-    lines += ["", "## Per run", "", f"| run | {label} | steps | diverged at | train s |", "|---|---|---|---|---|"]
+    lines += ["", "## Per run", "", "`wall s`: training, evaluation and sampling in the invocation that finished the run "
+              "(a resumed run counts only its last part).", "",
+              f"| run | {label} | steps | diverged at | wall s |", "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["name"]):
         value = r.get(metric)
         lines.append(f"| {r['name']} | {'--' if value is None else f'{value:.2f}'} | {r.get('steps', '--')} | "
@@ -521,7 +523,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.compare", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=list(TASKS), default="deit", help="deit: classification Top-1; dit: generation FID")
-    p.add_argument("--quick", action="store_true", help="the ~15-minute 2-core preset (default: the overnight preset)")
+    p.add_argument("--quick", action="store_true", help="the ~15-minute 2-core preset (default: the full CPU preset)")
     p.add_argument("--data", default="fashion_mnist", help="fashion_mnist (default) or an ImageFolder root with train/ and val/")
     p.add_argument("--image-size", type=int, default=32, help="ImageFolder data: resize/crop size (patch = size/4)")
     p.add_argument("--topologies", nargs="+", help="e.g. pre post siamese mixln residual sandwich deepnorm layerscale dyt")
