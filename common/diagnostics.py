@@ -178,7 +178,8 @@ def grad_norm_trace(run_dir: PathLike) -> dict:
 
 # ----------------------------------------------------------------------------- plots and files
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (plots are written, never shown)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,7 +244,7 @@ def write_diagnostic(kind: str, results: Mapping[str, dict], out_dir: PathLike, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{kind}.json").write_text(json.dumps(results, indent=1))
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     _PLOTS[kind](ax, results)
     if title:

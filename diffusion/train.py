@@ -478,7 +478,7 @@ def train(cfg: TrainConfig) -> dict:
                 parts += torch.stack([losses[k].detach().mean() for k in ("loss", "mse", "vb")])
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
             parts = reduce_mean(accelerator, parts / cfg.optim.grad_accum)
-            finite = bool(torch.isfinite(parts).all()) and bool(torch.isfinite(grad_norm))
+            finite = bool(torch.isfinite(parts).all() & torch.isfinite(grad_norm))  # one host sync per step
             if guard.check(finite, step + 1):
                 optimizer.step()
                 ema.update(model)

@@ -391,22 +391,15 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
     return lines
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 COLORS = {"pre": "tab:blue", "post": "tab:red", "siamese": "tab:green", "mixln": "tab:purple", "residual": "tab:orange",
           "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive", "dyt": "tab:cyan"}
 
 
 def plot_loss_curves(results: Sequence[dict], path: Path) -> None:
     """One panel per (depth, lr), one line per run, coloured by topology (non-finite points are gaps)."""
-    plt = _pyplot()
+    from common.diagnostics import pyplot
+
+    plt = pyplot()
     settings = sorted({(r["depth"], r["lr"]) for r in results})
     fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
     for ax, (depth, lr) in zip(axes[0], settings):

@@ -110,10 +110,9 @@ def print_table(rows: list) -> None:
 
 def plot_curves(curves: dict, path: Path) -> None:
     """One panel per family (labels start with the family name): their losses live on different scales."""
-    import matplotlib
+    from common.diagnostics import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     families = sorted({label.split()[0] for label in curves})
     fig, axes = plt.subplots(1, len(families), figsize=(6 * len(families), 4), squeeze=False)

@@ -212,7 +212,7 @@ def train(cfg: TrainConfig) -> dict:
                 loss_sum += loss.detach().float()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad or math.inf)
             mean_loss = reduce_mean(accelerator, loss_sum / cfg.optim.grad_accum)
-            finite = bool(torch.isfinite(mean_loss)) and bool(torch.isfinite(grad_norm))
+            finite = bool(torch.isfinite(mean_loss) & torch.isfinite(grad_norm))  # one host sync per step
             if not finite:
                 logger.log({"train/nonfinite_steps": guard.total + 1, "train/nonfinite_loss": float(mean_loss)}, step + 1)
             if guard.check(finite, step + 1):
