@@ -74,8 +74,10 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self.accelerator.log_with:
-            self.accelerator.end_training()
+        # Finish the trackers only: accelerator.end_training() also destroys the process group, which the
+        # trainers still need for their final barrier (every multi-process run then exited 1).
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
 
 
 def progress_bar(accelerator, total: int, initial: int = 0, desc: str = "train"):

@@ -85,6 +85,34 @@ def test_depth_scale_per_block():
     assert [b.depth_scale for b in off.blocks] == [1.0] * 4
 
 
+@pytest.fixture
+def timm_without_block_index(monkeypatch):
+    """timm before 1.0.23 called ``block_fn`` without ``depth=i``: replay that on the installed timm."""
+    from timm.models import vision_transformer
+
+    original = vision_transformer.VisionTransformer.__init__
+
+    def init_without_depth(self, *args, block_fn=None, **kwargs):
+        def block_fn_old_timm(**block_kwargs):
+            block_kwargs.pop("depth", None)
+            return block_fn(**block_kwargs)
+
+        original(self, *args, block_fn=block_fn_old_timm, **kwargs)
+
+    monkeypatch.setattr(vision_transformer.VisionTransformer, "__init__", init_without_depth)
+
+
+@pytest.mark.parametrize("old_timm", [False, True])
+def test_block_indices_do_not_depend_on_timm_passing_them(old_timm, request):
+    if old_timm:
+        request.getfixturevalue("timm_without_block_index")
+    siamese = timm.create_model("deit_tiny_siamese_patch16_224", **{**SMALL, "depth": 6})
+    assert [b.layer_index for b in siamese.blocks] == list(range(6))
+    assert [b.depth_scale for b in siamese.blocks] == pytest.approx([math.sqrt(2 * (l + 1)) for l in range(6)])
+    mixln = timm.create_model("deit_tiny_mixln_patch16_224", **{**SMALL, "depth": 8})
+    assert [b.topology for b in mixln.blocks] == ["post"] * 2 + ["pre"] * 6
+
+
 def test_both_streams_receive_the_same_droppath_mask():
     torch.manual_seed(0)
     block = ResidualBlock(16, layer_index=2, topology="siamese", drop_path=0.5).train()

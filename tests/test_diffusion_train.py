@@ -98,12 +98,14 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
 
 
 def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
-    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL]
+    # TensorBoard on, as users get it: the run must still exit 0 on every rank.
+    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, "train.tensorboard=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "two" / "tb").rglob("events.out.tfevents.*"))
     assert [r for r in read_metrics(tmp_path / "two") if "world_size" in r][0]["world_size"] == 2
     same_weights(reference, tmp_path / "two", exact=False)
     one = [r["train/loss"] for r in read_metrics(reference) if "train/loss" in r]

@@ -79,13 +79,14 @@ def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(tmp_path):
 def test_two_processes_match_one_process(tmp_path):
     common = ["data.max_train_samples=64", "data.max_val_samples=20", "optim.batch_size=16", "optim.epochs=1",
               "augment.re_prob=0.5", "augment.repeated_aug=2", "train.eval_every=0", "train.log_every=1",
-              "optim.warmup_epochs=0"]
+              "optim.warmup_epochs=0", "train.tensorboard=true"]  # TensorBoard on, as users get it
     args = ["--config", str(ROOT / "configs/fmnist_deit_siamese.yaml"), *TINY, *common]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
            "-m", "vision.train", *args, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "two" / "tb").rglob("events.out.tfevents.*"))
     main([*args, f"train.output_dir={tmp_path / 'one'}"])
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     for k in a:

@@ -39,8 +39,10 @@ from common.residual import (
 class DeiTBlock(ResidualBlock):
     """timm's ViT block (fused SDPA attention, MLP, optional LayerScale) on a shared residual topology.
 
-    Accepts the keyword arguments timm's ``VisionTransformer`` passes to ``block_fn``; ``depth`` is
-    the 0-based block index and selects the block's topology from ``topologies``.
+    Accepts the keyword arguments timm's ``VisionTransformer`` passes to ``block_fn``. ``layer_index`` is the
+    0-based block index (it sets the Siamese depth scale and picks the block's topology from ``topologies``);
+    timm's own ``depth=i`` keyword is ignored because timm passes it only from 1.0.23 on
+    (:class:`_IndexedBlockFactory` counts the blocks instead).
     """
 
     def __init__(
@@ -61,10 +63,11 @@ class DeiTBlock(ResidualBlock):
         norm_layer=nn.LayerNorm,
         mlp_layer=Mlp,
         attn_layer=Attention,
-        depth: int = 0,
+        depth: Optional[int] = None,
         device=None,
         dtype=None,
         *,
+        layer_index: int = 0,
         topologies: Sequence[str] = ("siamese",),
         normalized_input: bool = True,
         depth_scaling: bool = True,
@@ -72,8 +75,8 @@ class DeiTBlock(ResidualBlock):
         dd = {"device": device, "dtype": dtype}
         super().__init__(
             dim,
-            layer_index=depth,
-            topology=topologies[depth] if len(topologies) > 1 else topologies[0],
+            layer_index=layer_index,
+            topology=topologies[layer_index] if len(topologies) > 1 else topologies[0],
             normalized_input=normalized_input,
             depth_scaling=depth_scaling,
             norm_layer=partial(norm_layer, **dd),
@@ -115,6 +118,24 @@ class DeiTBlock(ResidualBlock):
         return self.residual(2, state, self._mlp)
 
 
+class _IndexedBlockFactory:
+    """``block_fn`` for timm's ``VisionTransformer``: builds :class:`DeiTBlock` ``i`` for the ``i``-th call.
+
+    timm creates the blocks in order, but tells a block its index (``depth=i``) only from 1.0.23 on; with an
+    older timm every block would silently be block 0 (Siamese ``c_l = sqrt(2)``, Mix-LN all Post-Norm).
+    """
+
+    def __init__(self, **block_kwargs):
+        self.block_kwargs = block_kwargs
+        self.built = 0
+
+    def __call__(self, **timm_kwargs) -> DeiTBlock:
+        timm_kwargs.pop("depth", None)
+        block = DeiTBlock(**timm_kwargs, layer_index=self.built, **self.block_kwargs)
+        self.built += 1
+        return block
+
+
 class SiameseNormVisionTransformer(VisionTransformer):
     """timm ViT/DeiT whose blocks use a switchable residual topology.
 
@@ -147,10 +168,12 @@ class SiameseNormVisionTransformer(VisionTransformer):
         if topology == "dyt":
             kwargs["norm_layer"] = DyT
         topologies = block_topologies(topology, depth, mixln_post_blocks)
-        block_fn = partial(
-            DeiTBlock, topologies=topologies, normalized_input=normalized_input, depth_scaling=depth_scaling
+        block_fn = _IndexedBlockFactory(
+            topologies=topologies, normalized_input=normalized_input, depth_scaling=depth_scaling
         )
         super().__init__(block_fn=block_fn, **kwargs)
+        if block_fn.built != depth:
+            raise RuntimeError(f"timm built {block_fn.built} blocks for depth={depth}; this timm version is not supported")
         self.topology = topology
         self.block_topologies = topologies
         # timm made `norm` a LayerNorm (Identity when pooling uses fc_norm); swap in the stream fusion.

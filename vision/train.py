@@ -278,6 +278,7 @@ def train(cfg: TrainConfig) -> dict:
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=2))
     logger.close()
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # last: it destroys the process group
     return final
 
 
