@@ -20,7 +20,7 @@ data:
 demo: $(STAMP) data
 	$(PY) -m scripts.demo
 
-test: $(STAMP)
+test: $(STAMP) data
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -9,5 +9,5 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
    && echo "installed Fashion-MNIST into $DIR" && exit 0
 fi
 echo "Fashion-MNIST not found in $DIR. Install it with 'sudo apt-get install dataset-fashion-mnist'," >&2
-echo "or put torchvision's FashionMNIST files under a folder and pass data_path=FOLDER." >&2
+echo "or pass data.path=FOLDER (a folder with the FashionMNIST IDX files, e.g. a torchvision download) to the trainers." >&2
 exit 0

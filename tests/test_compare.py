@@ -37,6 +37,7 @@ def finished(tmp_path_factory):
     return out, report
 
 
+@pytest.mark.fashion_mnist
 def test_report_of_two_finished_runs(finished):
     out, report = finished
     text = report.read_text()
@@ -60,6 +61,7 @@ def test_report_of_two_finished_runs(finished):
     assert len(removal["pre"]["loss_increase"]) == 2 and "removed_top1" in removal["pre"]
 
 
+@pytest.mark.fashion_mnist
 def test_a_finished_run_made_with_other_settings_is_not_reused(finished):
     out, _ = finished
     args = [a if a != "256" else "128" for a in TINY]  # --train-images 128 instead of 256
@@ -67,6 +69,7 @@ def test_a_finished_run_made_with_other_settings_is_not_reused(finished):
         main(args + ["--topologies", "pre", "--lrs", "1e-3", "--seeds", "0", "--out", str(out)])
 
 
+@pytest.mark.fashion_mnist
 def test_a_run_made_to_diverge_is_reported(tmp_path):
     # Post-Norm at lr 10 without warmup: the gradient turns non-finite within a few steps.
     report = main(TINY + ["--topologies", "post", "--lrs", "10", "--seeds", "0", "--out", str(tmp_path),
@@ -79,6 +82,7 @@ def test_a_run_made_to_diverge_is_reported(tmp_path):
     assert "| 2 | 10 | post | -- | 0/1 | 1 |" in report.read_text()  # a diverged run is not averaged
 
 
+@pytest.mark.fashion_mnist
 def test_an_interrupted_comparison_resumes(finished, tmp_path):
     done_out, _ = finished
     out = tmp_path
@@ -104,6 +108,7 @@ def test_an_interrupted_comparison_resumes(finished, tmp_path):
     assert "2 finished runs." in report.read_text()
 
 
+@pytest.mark.fashion_mnist
 def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     import torch
 
@@ -125,6 +130,7 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     assert set(diag["hidden_state_norms"]["norms"]) == {"x", "y"} and len(diag["layer_removal"]["loss_increase"]) == 2
 
 
+@pytest.mark.fashion_mnist
 def test_diagnostics_command_on_finished_runs_matches_the_comparison(finished, tmp_path):
     from common.diagnostics import main as diagnostics_main
 

@@ -17,6 +17,8 @@ from common.logging import NonFiniteLossError, read_metrics
 from common.train_state import CheckpointManager
 from diffusion.train import TrainConfig, main, train
 
+pytestmark = pytest.mark.fashion_mnist
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=0", "train.tensorboard=false",
         "train.threads=1", "train.sample_every=0"]

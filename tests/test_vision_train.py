@@ -15,6 +15,8 @@ from common.train_state import CheckpointManager
 from vision import evaluate as vision_evaluate
 from vision.train import TrainConfig, main, train
 
+pytestmark = pytest.mark.fashion_mnist
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32", "data.num_workers=0",
         "train.tensorboard=false", "train.eval_batch_size=200", "train.threads=1"]
