@@ -5,7 +5,7 @@ low-precision model, and decay warmup; we only add the bits a trainer needs arou
 bare model under DDP/compile wrappers, save/load its weights by name).
 
     ema = ModelEma(model, decay=0.9999)       # a copy of the weights now (DiT starts the EMA as a copy)
-    ema.update(model)                         # after each optimizer step
+    ema.update(model, skip=found_inf)         # after each optimizer step (skip: 1 for a skipped step)
     ema.module                                # the averaged nn.Module, for evaluation / sampling
     ema.state_dict() / ema.load_state_dict()  # the averaged weights only (same keys as the model)
 """
@@ -46,8 +46,13 @@ class ModelEma(nn.Module):
         return self.ema.decay
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: Optional[int] = None) -> None:
-        self.ema.update(bare_model(model), step=step if self.ema.use_warmup else None)
+    def update(self, model: nn.Module, step: Optional[int] = None, skip: Optional[torch.Tensor] = None) -> None:
+        """One EMA step towards ``model``. ``skip`` (a 0-d float tensor, 1 = skip) leaves the EMA unchanged for a
+        step the optimizer skipped, decided on the device without a host sync."""
+        decay = self.ema.get_decay(step if self.ema.use_warmup else None)
+        if skip is not None:  # lerp weight (1 - decay) becomes 0 on a skipped step
+            decay = 1.0 - (1.0 - decay) * (1.0 - skip)
+        self.ema.apply_update_(bare_model(model), decay)
 
     def state_dict(self, *args, **kwargs):
         return self.ema.module.state_dict(*args, **kwargs)

@@ -3,8 +3,10 @@
     logger = MetricsLogger(accelerator, run_dir, config=flat_hparams)   # main process writes, others no-op
     logger.log({"train/loss": 2.3, "train/lr": 1e-3}, step=100)        # -> run_dir/metrics.jsonl + TensorBoard
     bar = progress_bar(accelerator, total=steps, initial=start_step)    # tqdm on the main process only
-    guard = NonFiniteGuard(max_in_row=20)
-    if guard.check(loss_is_finite, step): optimizer.step()              # raises NonFiniteLossError after 20 in a row
+    guard = NonFiniteGuard(max_in_row=20, device=device)
+    guard.record(found_inf)                                             # per step, on the device
+    in_row, total = guard.read()                                        # on logging steps (a host sync)
+    if in_row >= guard.max_in_row: raise guard.error(in_row, total, step, last_good_checkpoint)
 
 The accelerator must have been built with ``log_with="tensorboard"`` and ``project_dir=run_dir``
 (:func:`common.distributed.build_accelerator` does that) for TensorBoard events under ``run_dir/tb``.
@@ -16,7 +18,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -45,21 +47,26 @@ def read_metrics(path: Union[str, os.PathLike]) -> list:
 class MetricsLogger:
     """Append metrics to ``run_dir/metrics.jsonl`` and to accelerate's trackers, on the main process.
 
-    ``fresh=True`` starts a new file (a run started over); otherwise records are appended (a resumed run).
+    ``resume_step=None`` starts a new file (a fresh run); a resumed run passes its checkpoint's step, and records of
+    later steps (logged after that checkpoint by the interrupted invocation) are dropped from the file and from
+    TensorBoard (``purge_step``), so no step appears twice.
     """
 
     def __init__(self, accelerator, run_dir: Union[str, os.PathLike], config: Optional[Mapping] = None,
-                 fresh: bool = False):
+                 resume_step: Optional[int] = None):
         self.accelerator = accelerator
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = accelerator.is_main_process
         self._file = None
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "w" if fresh else "a", buffering=1)
+            if resume_step is not None and self.path.is_file():
+                _truncate_records(self.path, resume_step)
+            self._file = open(self.path, "w" if resume_step is None else "a", buffering=1)
         if accelerator.log_with:
             hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in (config or {}).items()}
-            accelerator.init_trackers(TRACKER_NAME, config=hparams)
+            purge = {} if resume_step is None else {"purge_step": resume_step + 1}
+            accelerator.init_trackers(TRACKER_NAME, config=hparams, init_kwargs={"tensorboard": purge})
 
     def log(self, metrics: Mapping, step: int) -> None:
         if not self.enabled:
@@ -80,6 +87,21 @@ class MetricsLogger:
             tracker.finish()
 
 
+def _truncate_records(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= ``last_step`` (and drop a torn last line), atomically."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("step", 0)) <= last_step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def progress_bar(accelerator, total: int, initial: int = 0, desc: str = "train"):
     """tqdm bar shown on the main process only."""
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
@@ -91,37 +113,42 @@ class NonFiniteLossError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Skip optimizer steps whose loss (or gradient norm) is not finite; stop after too many in a row.
+    """Counts non-finite optimizer steps on the device; stops the run after ``max_in_row`` of them in a row.
 
-    ``check`` must get the same verdict on every rank (reduce the loss across ranks first) so that all
-    ranks skip together. The guard never saves anything: raising leaves the last checkpoint as it was.
+    :meth:`record` takes the step's ``found_inf`` (a 0-d float tensor, the same on every rank) without a host
+    sync; the trainer reads the counts on its logging steps, so a run stops at the first logging step after the
+    limit (skipped steps change nothing, so the overshoot costs only time).
     """
 
-    def __init__(self, max_in_row: int = 20):
+    def __init__(self, max_in_row: int = 20, device="cpu"):
         if max_in_row < 1:
             raise ValueError(f"max_in_row={max_in_row} must be >= 1")
         self.max_in_row = max_in_row
-        self.in_row = 0
-        self.total = 0
+        self.counts = torch.zeros(2, dtype=torch.long, device=device)  # in a row, in total
 
-    def check(self, finite: bool, step: int) -> bool:
-        """Return whether the step may be applied; raise :class:`NonFiniteLossError` at the limit."""
-        if finite:
-            self.in_row = 0
-            return True
-        self.in_row += 1
-        self.total += 1
-        if self.in_row >= self.max_in_row:
-            raise NonFiniteLossError(
-                f"the loss was NaN/inf for {self.in_row} steps in a row (up to step {step}, {self.total} in total); "
-                "stopping. The last checkpoint is left untouched. Lower the learning rate, enable gradient "
-                "clipping (optim.clip_grad) or use fp32, then resume=auto."
-            )
-        return False
+    def record(self, found_inf: torch.Tensor) -> None:
+        bad = found_inf.long()
+        self.counts[0].add_(1).mul_(bad)
+        self.counts[1].add_(bad)
+
+    def read(self) -> tuple:
+        """``(in a row, in total)`` as ints (a host sync)."""
+        in_row, total = self.counts.tolist()
+        return in_row, total
+
+    def error(self, in_row: int, total: int, step: int, last_good: Optional[int], set_aside: Sequence[str] = ()):
+        """The :class:`NonFiniteLossError` to raise when ``in_row`` reached ``max_in_row``."""
+        aside = f" Checkpoints taken after the divergence began were moved to {', '.join(set_aside)}." if set_aside else ""
+        kept = (f"The newest checkpoint is now step {last_good}, from before the divergence. Lower optim.lr / "
+                "optim.base_lr, set optim.clip_grad or train.precision=fp32, and run the same command again: it resumes "
+                "from there with the new settings (train.resume=auto)." if last_good is not None else
+                "No checkpoint from before the divergence exists: start over with a lower learning rate.")
+        return NonFiniteLossError(f"the loss or gradient was NaN/inf for the last {in_row} steps in a row (up to step "
+                                  f"{step}, {total} in total); stopping.{aside} {kept}")
 
     def state_dict(self) -> dict:
-        return {"in_row": self.in_row, "total": self.total}
+        in_row, total = self.read()
+        return {"in_row": in_row, "total": total}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.in_row = int(state.get("in_row", 0))
-        self.total = int(state.get("total", 0))
+        self.counts.copy_(torch.tensor([int(state.get("in_row", 0)), int(state.get("total", 0))]))

@@ -18,12 +18,18 @@ for the EMA weights).
 * :func:`capture_rng_state` / :func:`restore_rng_state`: python, numpy, torch CPU and all CUDA devices,
   in a ``weights_only``-safe form.
 * :func:`resolve_resume`: ``resume`` setting (``None`` / ``"auto"`` / a path) -> the file to load or None.
+* :func:`preserved_rng`: run evaluation or sampling without moving the training randomness.
+* :class:`RunLock`: one run per run directory.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import os
 import random
 import re
+import socket
 import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
@@ -64,6 +70,16 @@ def restore_rng_state(state: dict) -> None:
                           f"{torch.cuda.device_count()}; restoring the overlap")
         for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Run a block (an evaluation, a sample grid) and put every global random generator back as it was."""
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)
 
 
 # ----------------------------------------------------------------------------- files
@@ -129,13 +145,25 @@ class CheckpointManager:
                 self.path_for(s).unlink(missing_ok=True)
 
     def latest(self) -> Optional[Tuple[Path, dict]]:
-        """Newest checkpoint that loads completely, as ``(path, state)``; None if there is none."""
-        for step in reversed(self.steps()):
+        """Newest checkpoint that loads completely, as ``(path, state)``; None if there is none.
+
+        Unreadable newer files (a kill or a full disk mid-write) are skipped with a warning; if every checkpoint is
+        unreadable the run stops here, naming them, rather than restarting from step 0 over them.
+        """
+        steps = self.steps()
+        failures = []
+        for step in reversed(steps):
             path = self.path_for(step)
             try:
                 return path, load_training_checkpoint(path)
             except Exception as err:  # a truncated or foreign file: fall back to the previous one
+                failures.append(f"{path.name} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
                 warnings.warn(f"skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
+        if failures:
+            from common.checkpoint import CheckpointError
+
+            raise CheckpointError(f"no readable checkpoint in {self.directory}: {'; '.join(failures)}. Restore one of "
+                                  "them, or move the directory away to start the run over")
         return None
 
 
@@ -167,3 +195,45 @@ def restore_process_rng(rng_states: list, rank: int, world: int, path) -> None:
     else:
         warnings.warn(f"{path} was written by {len(rng_states)} processes, this run has {world}: the data order stays "
                       "the same, but randomness drawn from the global RNGs is re-seeded")
+
+
+class RunLockedError(RuntimeError):
+    """The run directory is in use by another live run."""
+
+
+class RunLock:
+    """One run per run directory: an exclusive ``flock`` on ``<run_dir>/.lock``, held while the run lives.
+
+    The kernel drops the lock when its process dies (``kill -9`` included), so the lock of a killed run is taken
+    over by the next one; :meth:`acquire` then returns what that run had written into the file (who and when).
+    """
+
+    def __init__(self, run_dir: Union[str, os.PathLike]):
+        self.path = Path(run_dir) / ".lock"
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> str:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunLockedError(f"{self.path.parent} is in use by another run ({holder}); wait for it to finish, or "
+                               "give this run another train.output_dir") from None
+        previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}".encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return previous
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        os.ftruncate(self.fd, 0)  # an empty file: released cleanly (a killed run leaves its line behind)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None

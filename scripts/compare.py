@@ -203,7 +203,7 @@ def diagnose_dit(run_dir: Path, opts) -> dict:
     from common.diagnostics import grad_norm_trace, hidden_state_norms, layer_removal, stream_contribution
     from diffusion.gaussian_diffusion import GaussianDiffusion
     from diffusion.sample import load_model
-    from diffusion.train import PixelImages
+    from diffusion.data import PixelImages
 
     model, spec, _ = load_model(run_dir / "ema.safetensors")
     model.eval()

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def fresh_dir(run_dir: Path) -> Path:
+    """The demo reruns from scratch: it removes its own earlier run (a trainer never overwrites a run)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return run_dir
 
 
 def demo_deit(out_dir: Path, args) -> tuple:
@@ -32,8 +39,8 @@ def demo_deit(out_dir: Path, args) -> tuple:
 
     rows, curves = [], {}
     for topology in args.topologies:
-        run_dir = out_dir / f"deit_{topology}"
-        overrides = [f"train.output_dir={run_dir}", "train.resume=null", "train.tensorboard=false",
+        run_dir = fresh_dir(out_dir / f"deit_{topology}")
+        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false",
                      f"optim.epochs={args.epochs}", f"train.threads={args.threads}"]
         if args.train_images:
             overrides.append(f"data.max_train_samples={args.train_images}")
@@ -74,8 +81,8 @@ def demo_dit(out_dir: Path, args) -> tuple:
     ensure_fmnist_classifier(args)
     rows, curves = [], {}
     for topology in args.topologies:
-        run_dir = out_dir / f"dit_{topology}"
-        overrides = [f"train.output_dir={run_dir}", "train.resume=null", "train.tensorboard=false",
+        run_dir = fresh_dir(out_dir / f"dit_{topology}")
+        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false",
                      f"optim.steps={args.dit_steps}", "train.sample_every=0", f"train.threads={args.threads}"]
         cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml", overrides)
         start = time.perf_counter()

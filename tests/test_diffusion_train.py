@@ -77,7 +77,7 @@ def test_short_run_loss_decreases_and_writes_outputs(tmp_path, topology):
 def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
     """SIGKILL a run after its first checkpoint, leave a torn newer checkpoint file, resume: same weights."""
     args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, f"train.output_dir={tmp_path}",
-            "train.ckpt_every=2", "train.keep_last=1"]
+            "train.ckpt_every=2", "train.keep_last=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # optim.steps=100000: the run cannot finish before it is killed.
     proc = subprocess.Popen([sys.executable, "-m", "diffusion.train", *args, "optim.steps=100000"], cwd=ROOT, env=env,
@@ -121,11 +121,14 @@ def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
 
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path):
     # An absurd learning rate makes the weights overflow after the first update; every later loss is NaN.
-    with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
+    with pytest.raises(NonFiniteLossError, match="last 3 steps in a row.*No checkpoint from before the divergence"):
         train(config(tmp_path, *SMALL, "optim.lr=1e30", "train.max_nonfinite=3", "train.ckpt_every=1"))
-    assert CheckpointManager(tmp_path / "checkpoints").steps()[-1] == 3  # step 4 (the third NaN) raised
-    counts = [r["train/nonfinite_steps"] for r in read_metrics(tmp_path) if "train/nonfinite_steps" in r]
-    assert counts[:3] == [0, 1, 2]
+    # The step-1 checkpoint holds the weights that diverged: set aside, not resumed from, not deleted.
+    assert CheckpointManager(tmp_path / "checkpoints").steps() == []
+    assert [p.name for p in (tmp_path / "checkpoints" / "diverged").iterdir()] == ["step_000000001.pt"]
+    records = [r for r in read_metrics(tmp_path) if "train/nonfinite_steps" in r]
+    assert [r["train/nonfinite_steps"] for r in records] == [0, 1, 2, 3]
+    assert [r["train/loss"] for r in records][1:] == ["nan"] * 3
 
 
 def test_plain_mse_and_config_errors(tmp_path, capsys):

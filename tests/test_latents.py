@@ -123,7 +123,8 @@ def test_center_crop_and_latent_sampling():
 def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tmp_path):
     from common.config import load_config
     from common.data import seeded_rng
-    from diffusion.train import LatentImages, TrainConfig, train
+    from diffusion.data import LatentImages
+    from diffusion.train import TrainConfig, train
 
     run(setup, tmp_path / "lat")
     images = LatentImages(str(tmp_path / "lat"))

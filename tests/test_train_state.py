@@ -71,25 +71,32 @@ def test_ema_averages_and_round_trips():
         ModelEma(model, decay=1.0)
 
 
-def test_non_finite_guard_stops_after_limit():
+def test_non_finite_guard_counts_on_the_device():
     guard = NonFiniteGuard(max_in_row=3)
-    assert guard.check(False, 1) is False and guard.check(True, 2) is True
-    guard.check(False, 3)
-    guard.check(False, 4)
-    with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
-        guard.check(False, 5)
-    assert guard.total == 4
+    for bad in (1, 0, 1, 1, 1):
+        guard.record(torch.tensor(float(bad)))
+    assert guard.read() == (3, 4)  # three in a row at the end, four in total
+    assert guard.state_dict() == {"in_row": 3, "total": 4}
+    err = guard.error(3, 4, step=5, last_good=1)
+    assert isinstance(err, NonFiniteLossError) and "last 3 steps in a row" in str(err) and "step 1" in str(err)
+    other = NonFiniteGuard(max_in_row=3)
+    other.load_state_dict(guard.state_dict())
+    assert other.read() == (3, 4)
 
 
-def test_metrics_logger_writes_jsonl(tmp_path):
+def test_metrics_logger_writes_jsonl_and_cuts_back_on_resume(tmp_path):
     from accelerate import Accelerator
 
     from common.logging import MetricsLogger
 
     logger = MetricsLogger(Accelerator(cpu=True), tmp_path)
-    logger.log({"loss": torch.tensor(1.5), "bad": float("nan")}, step=3)
+    for step in (3, 4, 5):
+        logger.log({"loss": torch.tensor(1.5), "bad": float("nan")}, step=step)
     logger.close()
-    (record,) = read_metrics(tmp_path)
-    assert record["step"] == 3 and record["loss"] == 1.5 and record["bad"] == "nan"
-    MetricsLogger(Accelerator(cpu=True), tmp_path, fresh=True).close()  # a run started over
+    assert read_metrics(tmp_path)[0] == {**read_metrics(tmp_path)[0], "step": 3, "loss": 1.5, "bad": "nan"}
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a torn last line from a kill
+    MetricsLogger(Accelerator(cpu=True), tmp_path, resume_step=4).close()  # resumed from a step-4 checkpoint
+    assert [r["step"] for r in read_metrics(tmp_path)] == [3, 4]
+    MetricsLogger(Accelerator(cpu=True), tmp_path).close()  # a fresh run
     assert read_metrics(tmp_path) == []

@@ -64,18 +64,28 @@ def test_kill_and_resume_reaches_the_same_weights(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
-def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(tmp_path):
-    common = ["data.max_train_samples=64", "data.max_val_samples=20", "optim.batch_size=16", "train.eval_every=0"]
-    train(config(tmp_path, *common, "train.stop_at_step=1"))
-    before = (tmp_path / "checkpoints" / "step_000000001.pt").read_bytes()
-    with pytest.raises(NonFiniteLossError, match="2 steps in a row"):
-        # inputs divided by a denormal std are inf: every loss from here on is NaN
-        train(config(tmp_path, *common, "data.std=[1e-45, 1e-45, 1e-45]", "train.max_nonfinite=2",
-                     "train.ckpt_every=1"))
-    assert CheckpointManager(tmp_path / "checkpoints").steps() == [1, 2]  # step 2: the skipped step, weights unchanged
-    assert (tmp_path / "checkpoints" / "step_000000001.pt").read_bytes() == before
-    counts = [r["train/nonfinite_steps"] for r in read_metrics(tmp_path) if "train/nonfinite_steps" in r]
-    assert counts[-1] >= 1
+def test_divergence_stops_keeps_a_good_checkpoint_and_a_lower_lr_recovers(tmp_path):
+    common = ["data.max_train_samples=64", "data.max_val_samples=20", "optim.batch_size=16", "optim.epochs=2",
+              "train.eval_every=0", "train.log_every=1", "train.ckpt_every=1"]
+    train(config(tmp_path / "reference", *common))
+    run = tmp_path / "run"
+    assert train(config(run, *common, "train.stop_at_step=2")) == {"stopped_at": 2}
+    # lr 1e30: step 3 is still finite (the loss is computed before the update) but its weights overflow, so every
+    # later step is NaN; the run stops at the third NaN in a row (step 6).
+    with pytest.raises(NonFiniteLossError, match=r"last 3 steps in a row \(up to step 6.*newest checkpoint is now step 2"):
+        train(config(run, *common, "optim.base_lr=1e30", "train.max_nonfinite=3"))
+    assert CheckpointManager(run / "checkpoints").steps() == [2]  # none written during the streak (keep_last=2)
+    assert [p.name for p in (run / "checkpoints" / "diverged").iterdir()] == ["step_000000003.pt"]  # kept aside
+    logged = {r["step"]: r for r in read_metrics(run) if "train/loss" in r}
+    assert all(logged[s]["train/loss"] == "nan" for s in (4, 5, 6))  # never a made-up 0.0
+    assert [logged[s]["train/nonfinite_steps"] for s in (3, 4, 5, 6)] == [0, 1, 2, 3]
+    # The advice works: the original lr, the same command again, continues from step 2 to the reference weights.
+    final = train(config(run, *common))
+    assert final["steps"] == 8 and final["nonfinite_steps"] == 0
+    a, b = load_file(tmp_path / "reference" / "model.safetensors"), load_file(run / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
+    assert steps == sorted(set(steps)) == list(range(1, 9))  # the log was cut back to the resumed step
 
 
 def test_two_processes_match_one_process(tmp_path):

@@ -1,0 +1,472 @@
+"""The training loop of both families, written once.
+
+A *task* (:class:`vision.task.DeiTTask`, :class:`diffusion.task.DiTTask`) brings what is its own: the training
+examples, the model, the loss, the learning-rate schedule, and what happens after a step (evaluation, sample
+grids, in-training FID). :class:`Trainer` does everything else, the same way for both:
+
+* the run directory: a lock (one run per directory), ``config.yaml`` written only after every check passed and
+  always describing what the run does, ``metrics.jsonl`` + TensorBoard cut back to the resumed step;
+* resume (``train.resume=auto``): the newest readable checkpoint; changed settings are applied where
+  :data:`RESUMABLE_CHANGES` (plus the task's own list) allows it and refused, naming the keys, otherwise; a run
+  that already finished is left exactly as it was;
+* the step: ``optim.grad_accum`` micro-batches (no gradient all-reduce but the last), autocast, gradient norm
+  (clipping only when ``optim.clip_grad`` is set), fused AdamW, EMA. Whether a step is finite is decided on the
+  device: a non-finite step changes neither the weights, the optimizer state nor the EMA, and the host never
+  waits for the device except on logging and checkpoint steps (loss and gradient-norm windows accumulate there);
+* checkpoints every ``train.ckpt_every`` steps, at ``train.stop_at_step`` and at the end, never during a streak of
+  non-finite steps (the newest checkpoint is always one taken after a finite step);
+* task hooks run under :func:`preserved_rng`, so evaluation never moves training randomness (a resumed run is
+  bit-identical whether or not an evaluation ran before the kill);
+* final outputs: ``model.safetensors``, ``ema.safetensors``, ``final_metrics.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Literal, Optional, Sequence, Tuple, Union
+
+import torch
+
+from common.checkpoint import CheckpointError, bare_model, save_weights
+from common.config import config_to_dict, flatten, save_config
+from common.data import ResumableSampler, build_train_loader
+from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
+from common.ema import ModelEma
+from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
+from common.train_state import (CheckpointManager, RunLock, RunLockedError, capture_rng_state, preserved_rng,
+                                resolve_resume, restore_process_rng)
+
+FINAL_METRICS_FILE = "final_metrics.json"
+
+
+class ResumeError(ValueError):
+    """A run directory whose checkpoint cannot be continued with the given settings."""
+
+
+@dataclass
+class OptimConfig:
+    """The ``optim:`` settings both families share (each adds its learning rate and length)."""
+
+    batch_size: int = 256  # GLOBAL batch: all processes x grad_accum x per-process micro-batch
+    weight_decay: float = 0.0  # not applied to biases, norms and the model's no_weight_decay() (timm's filter)
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: Optional[float] = None  # max global grad norm; null = no clipping
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        for name in ("batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"optim.{name}={getattr(self, name)} must be >= 1")
+        if self.clip_grad is not None and self.clip_grad <= 0:
+            raise ValueError(f"optim.clip_grad={self.clip_grad} must be positive, or null for no clipping")
+
+
+@dataclass
+class RunConfig:
+    """The ``train:`` settings both families share: everything about a run that is not the recipe."""
+
+    output_dir: str = "runs/run"
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    compile: Union[bool, Literal["auto"]] = "auto"  # torch.compile the training model; auto: on CUDA only
+    deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
+    threads: Optional[int] = None  # CPU intra-op threads (null: torch's default; 1 is fastest on a busy machine)
+    ema_decay: Optional[float] = None  # keep, evaluate and save an EMA of the weights
+    log_every: int = 100  # steps
+    ckpt_every: int = 1000  # steps (a checkpoint is also written at the end and at stop_at_step)
+    keep_last: int = 2  # >= 2: a checkpoint from before a divergence must survive the newest one
+    keep_every: Optional[int] = None  # also keep checkpoints of steps divisible by this
+    resume: Optional[str] = "auto"  # auto | null (fresh; refused where checkpoints exist) | path to a step_*.pt
+    max_nonfinite: int = 20  # non-finite steps in a row before the run stops (checked on logging steps)
+    stop_at_step: Optional[int] = None  # end this invocation at this step (a time-limited job slot); resume later
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        for name in ("log_every", "ckpt_every", "max_nonfinite"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.keep_last < 2:
+            raise ValueError(f"train.keep_last={self.keep_last} must be >= 2: when a run diverges, the newest checkpoint "
+                             "may hold the diverged weights, and the one before it is what the run resumes from")
+        for name in ("keep_every", "stop_at_step", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"train.{name}={value} must be >= 1, or null")
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"train.ema_decay={self.ema_decay} must lie in [0, 1), or null for no EMA")
+
+
+# Settings a resumed run may change, by dotted prefix; they take effect from the resumed step on. Everything else
+# (model, data, augmentation, seed, global batch, ...) must equal the checkpoint's. Tasks add their own entries.
+RESUMABLE_CHANGES = (
+    "train.output_dir", "train.resume", "train.stop_at_step", "train.log_every", "train.ckpt_every",
+    "train.keep_last", "train.keep_every", "train.max_nonfinite", "train.tensorboard", "train.threads",
+    "train.precision", "train.compile", "train.deterministic", "train.ema_decay",
+    "optim.weight_decay", "optim.betas", "optim.eps", "optim.clip_grad", "optim.grad_accum",
+    "data.path", "data.num_workers",
+)
+
+
+def resolve_compile(setting, device: torch.device) -> bool:
+    """``train.compile``: ``auto`` compiles on CUDA (where it pays) and not on the CPU (where it mostly costs)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def changed_settings(saved: dict, current: dict) -> Dict[str, Tuple[object, object]]:
+    """``{dotted key: (saved value, current value)}`` for every setting that differs."""
+    old, new = flatten(saved), flatten(current)
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def build_optimizer(model: torch.nn.Module, optim, lr: float) -> torch.optim.Optimizer:
+    """Fused AdamW (no weight decay on biases, norms and ``model.no_weight_decay()``, as timm and DeiT do).
+
+    Fused because it takes a ``found_inf`` tensor: a non-finite step is skipped on the device, no host sync.
+    """
+    from timm.optim import param_groups_weight_decay
+
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
+    groups = param_groups_weight_decay(model, optim.weight_decay, skip) if optim.weight_decay else model.parameters()
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+                             eps=optim.eps, fused=True)
+
+
+class Trainer:
+    """Runs (or continues) the training that ``cfg`` describes with ``task``'s pieces; see the module docstring."""
+
+    def __init__(self, cfg, task):
+        self.cfg, self.task = cfg, task
+        self.run: RunConfig = cfg.train
+        self.optim = cfg.optim
+        self.run_dir = Path(self.run.output_dir)
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def fit(self) -> dict:
+        run = self.run
+        accelerator = self.accelerator = build_accelerator(run.precision, self.run_dir, run.tensorboard)
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        if run.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self._build()
+        lock = RunLock(self.run_dir)
+        error = None
+        if accelerator.is_main_process:
+            try:
+                taken_over = lock.acquire()
+                if taken_over:
+                    print(f"{self.run_dir}: taking over the lock of a run that ended without releasing it ({taken_over})")
+            except RunLockedError as err:
+                error = str(err)
+        error = gather_objects(accelerator, error)[0]  # every rank stops, not only the main one
+        if error:
+            raise RunLockedError(error)
+        try:
+            return self._fit()
+        finally:
+            lock.release()
+            accelerator.end_training()  # last: it destroys the process group
+
+    def _build(self) -> None:
+        """Data, model, optimizer, schedule, EMA: everything that can fail on bad input, before any file is written."""
+        run, optim, task, accelerator = self.run, self.optim, self.task, self.accelerator
+        task.setup(accelerator)
+        self.per_process_batch = check_divisible(optim.batch_size, self.world, optim.grad_accum)
+        self.sampler = ResumableSampler(len(task.train_set), self.world, self.rank, seed=run.seed,
+                                        repeats=getattr(task, "repeats", 1))
+        self.samples_per_step = self.per_process_batch * optim.grad_accum  # per process
+        self.steps_per_epoch = len(self.sampler) // self.samples_per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"an epoch has {len(self.sampler)} samples per process, fewer than one step needs "
+                             f"({self.samples_per_step}); lower optim.batch_size or use more data")
+        self.total_steps = task.total_steps(self.steps_per_epoch)
+        self.loader = build_train_loader(task.train_set, self.sampler, self.per_process_batch, task.num_workers)
+
+        seed_everything(run.seed)  # the same initial weights on every rank
+        model = task.build_model().to(accelerator.device)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.optimizer = build_optimizer(model, optim, task.lr)
+        self.scheduler = task.lr_scheduler(self.optimizer, self.steps_per_epoch, self.total_steps)
+        self.ema = ModelEma(model, run.ema_decay) if run.ema_decay is not None else None
+        self.model = accelerator.prepare(model)
+        self.train_model = torch.compile(self.model) if resolve_compile(run.compile, accelerator.device) else self.model
+        self.guard = NonFiniteGuard(run.max_nonfinite, accelerator.device)
+        self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last, run.keep_every)
+
+    def _resume(self) -> Tuple[int, Optional[dict]]:
+        """The step to continue from and what changed, after checking the checkpoint against the settings."""
+        run = self.run
+        if run.resume is None or str(run.resume).lower() in ("", "none", "null", "false"):
+            if self.ckpts.steps():
+                raise ResumeError(
+                    f"{self.run_dir} holds checkpoints up to step {self.ckpts.steps()[-1]}: train.resume=null would "
+                    "start over on top of them. Continue the run with train.resume=auto, or start a new one in "
+                    "another train.output_dir (or delete that directory).")
+            return 0, None
+        resumed = resolve_resume(run.resume, self.ckpts)
+        if resumed is None:
+            return 0, None
+        path, state = resumed
+        changes = changed_settings(state.get("config", {}), config_to_dict(self.cfg))
+        allowed = RESUMABLE_CHANGES + tuple(self.task.resumable_changes)
+        fixed = {k: v for k, v in changes.items() if not k.startswith(allowed)}
+        if fixed:
+            listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in fixed.items())
+            raise ResumeError(
+                f"{path} was trained with other settings that cannot change in a resumed run ({listed}). Run the "
+                f"original settings to continue it, or start a new run: another train.output_dir.")
+        if (state.get("ema") is None) != (self.ema is None):
+            raise ResumeError(f"{path} was trained {'without' if state.get('ema') is None else 'with'} an EMA; keep "
+                              f"train.ema_decay {'null' if state.get('ema') is None else 'set'} to continue it")
+        bare = bare_model(self.model)
+        try:
+            bare.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise ResumeError(f"{path} does not fit this model ({str(err).splitlines()[0]})") from None
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        # Hyper-parameters come from the current settings, the moments and step counts from the checkpoint.
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, hyper in zip(self.optimizer.param_groups, fresh):
+            group.update(hyper)
+        self.guard.load_state_dict(state.get("nonfinite", {}))
+        saved = state["sampler"]
+        if (saved["num_samples"], saved["repeats"]) != (self.sampler.num_samples, self.sampler.repeats):
+            raise ResumeError(f"{path} was trained on {saved['num_samples']} samples x{saved['repeats']} repeats, this "
+                              f"run has {self.sampler.num_samples} x{self.sampler.repeats}: the data changed")
+        restore_process_rng(state["rng"], self.rank, self.world, path)
+        return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()}}
+
+    # -------------------------------------------------------------------------------------------- run
+    def _fit(self) -> dict:
+        accelerator, run = self.accelerator, self.run
+        step, resumed = self._resume()
+        final_file = self.run_dir / FINAL_METRICS_FILE
+        if step >= self.total_steps and final_file.is_file():
+            accelerator.print(f"{self.run_dir} already finished at step {step}; its results are in {final_file} "
+                              "(nothing was changed). Raise the length (optim.epochs / optim.steps) to train on.")
+            return json.loads(final_file.read_text())
+        if accelerator.is_main_process:
+            save_config(self.cfg, self.run_dir / "config.yaml")
+        self.step = step
+        self.logger = MetricsLogger(accelerator, self.run_dir, resume_step=step if resumed else None,
+                                    config=flatten(config_to_dict(self.cfg)) if run.tensorboard else None)
+        if resumed:
+            self.logger.log({"event": "resumed", **resumed}, step)
+            accelerator.print(f"resumed from {resumed['from']} at step {step}/{self.total_steps}")
+        else:
+            self.logger.log({"params": self.n_params, "examples": len(self.task.train_set),
+                             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                             "world_size": self.world, **self.task.run_summary()}, step=0)
+        if self.scheduler is not None:
+            self.scheduler.step_update(step)
+        self.bar = progress_bar(accelerator, self.total_steps, initial=step)
+        self.window = torch.zeros(3 + len(self.task.loss_parts), device=accelerator.device)  # count, loss, gn, parts
+        self.window_time = self.window_wait = 0.0
+        self.window_steps = 0
+        self.last_record: dict = {}
+        self.last_saved = step
+        try:
+            if step < self.total_steps:
+                stopped = self._train()
+                if stopped is not None:
+                    return stopped
+            else:  # resumed from the final checkpoint of a run killed before its final outputs were written
+                self._after_step(last=True)
+            return self._finish()
+        finally:
+            self.bar.close()
+            self.logger.close()
+
+    def _train(self) -> Optional[dict]:
+        accelerator, run = self.accelerator, self.run
+        self.model.train()
+        while self.step < self.total_steps:
+            epoch, done_in_epoch = divmod(self.step, self.steps_per_epoch)
+            self.sampler.set_epoch(epoch, start=done_in_epoch * self.samples_per_step * self.world)
+            batches = iter(self.loader)
+            for _ in range(done_in_epoch, self.steps_per_epoch):
+                started = time.perf_counter()
+                self.train_step(batches)
+                self.step += 1
+                self.window_time += time.perf_counter() - started
+                self.window_steps += 1
+                if self.scheduler is not None:
+                    self.scheduler.step_update(self.step)
+                self.bar.update(1)
+                last = self.step == self.total_steps
+                if self.step % run.log_every == 0 or last:
+                    self._log_window()
+                stop_now = run.stop_at_step is not None and self.step >= run.stop_at_step and not last
+                if self.step % run.ckpt_every == 0 or last or stop_now:
+                    self._save_checkpoint()
+                self._after_step(last=last, epoch_end=self.step % self.steps_per_epoch == 0)
+                if stop_now:
+                    accelerator.print(f"stopped at step {self.step} (train.stop_at_step); run the same command with "
+                                      "train.stop_at_step unset (or later) to continue")
+                    return {"stopped_at": self.step}
+                if last:
+                    break
+        return None
+
+    def train_step(self, batches) -> None:
+        """One optimizer step: micro-batches, gradient norm, device-side finite check, AdamW, EMA, windows."""
+        accelerator, optim, task = self.accelerator, self.optim, self.task
+        sums = None
+        wait = 0.0
+        for micro in range(optim.grad_accum):
+            t0 = time.perf_counter()
+            batch = tuple(b.to(accelerator.device, non_blocking=True) for b in next(batches))
+            wait += time.perf_counter() - t0
+            sync = micro == optim.grad_accum - 1
+            with (contextlib.nullcontext() if sync else accelerator.no_sync(self.model)), accelerator.autocast():
+                loss, parts = task.loss(self.train_model, batch)
+                accelerator.backward(loss / optim.grad_accum)
+            values = torch.stack([loss.detach().float(), *(parts[k].detach().float() for k in task.loss_parts)])
+            sums = values if sums is None else sums + values
+        self.window_wait += wait
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if optim.clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, optim.clip_grad, grad_norm)
+        means = sums / optim.grad_accum
+        found_inf = (~(torch.isfinite(means).all() & torch.isfinite(grad_norm))).float()
+        if self.world > 1:  # every rank must skip together (the gradients are shared; the losses are not)
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        self.optimizer.found_inf = found_inf  # fused AdamW skips the whole update (and its step count) when 1
+        self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(self.model, self.step + 1, skip=found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.guard.record(found_inf)
+        finite = found_inf == 0
+        self.window += torch.cat([finite.float()[None], torch.where(finite, torch.cat([means[:1], grad_norm[None].float(),
+                                                                                      means[1:]]), 0.0)])
+
+    def _log_window(self) -> None:
+        """Log the window's means (one host sync); NaN where every step of the window was non-finite."""
+        window = self.window
+        if self.world > 1:
+            window = window.clone()
+            torch.distributed.all_reduce(window)
+        count, loss, grad_norm, *parts, in_row, total = torch.cat([window, self.guard.counts.float()]).tolist()
+        count /= self.world  # every rank counted the same (agreed) steps
+        in_row, total = int(in_row), int(total)
+        mean = (lambda v: v / self.world / count) if count else (lambda v: math.nan)
+        steps_per_s = self.window_steps / max(self.window_time, 1e-9)
+        record = {"train/loss": mean(loss), **{f"train/{k}": mean(v) for k, v in zip(self.task.loss_parts, parts)},
+                  "train/grad_norm": mean(grad_norm), "train/lr": self.optimizer.param_groups[0]["lr"],
+                  "train/epoch": self.step / self.steps_per_epoch, "train/steps_per_s": steps_per_s,
+                  "train/images_per_s": steps_per_s * self.optim.batch_size,
+                  "train/data_wait": self.window_wait / max(self.window_time, 1e-9),
+                  "train/nonfinite_steps": total, **self.task.log_extras(self)}
+        self.logger.log(record, self.step)
+        self.last_record = record
+        self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", lr=f"{record['train/lr']:.2e}")
+        self.window.zero_()
+        self.window_time = self.window_wait = 0.0
+        self.window_steps = 0
+        if in_row >= self.guard.max_in_row:
+            raise self._diverged(in_row, total)
+
+    def _diverged(self, in_row: int, total: int):
+        """Set aside the checkpoints whose weights already produced a non-finite step; return the error to raise.
+
+        The streak began at step ``step - in_row + 1``, so the weights saved at ``step - in_row`` or later are the
+        ones that diverged: they move to ``checkpoints/diverged/`` (kept, never deleted), and ``train.resume=auto``
+        continues from the newest checkpoint before them.
+        """
+        first_bad = self.step - in_row + 1
+        suspect = [s for s in self.ckpts.steps() if s >= first_bad - 1]
+        moved = []
+        if self.accelerator.is_main_process:
+            aside = self.ckpts.directory / "diverged"
+            aside.mkdir(exist_ok=True)
+            for s in suspect:
+                self.ckpts.path_for(s).replace(aside / self.ckpts.path_for(s).name)
+                moved.append(str(aside / self.ckpts.path_for(s).name))
+        self.accelerator.wait_for_everyone()
+        good = [s for s in self.ckpts.steps() if s < first_bad - 1]
+        return self.guard.error(in_row, total, self.step, good[-1] if good else None, moved)
+
+    def _save_checkpoint(self) -> None:
+        """A complete checkpoint (all ranks' RNG states), unless the last step was not finite."""
+        in_row, _ = self.guard.read()
+        if in_row:
+            self.accelerator.print(f"step {self.step}: no checkpoint during a streak of non-finite steps; the newest "
+                                   f"one stays step {self.last_saved}")
+            return
+        rng = gather_objects(self.accelerator, capture_rng_state())
+        if self.accelerator.is_main_process:
+            epoch, done = divmod(self.step, self.steps_per_epoch)
+            self.ckpts.save({
+                "model": bare_model(self.model).state_dict(), "ema": self.ema.state_dict() if self.ema else None,
+                "optimizer": self.optimizer.state_dict(), "step": self.step, "epoch": epoch,
+                "sampler": {**self.sampler.state_dict(), "epoch": epoch,
+                            "start": done * self.samples_per_step * self.world},
+                "rng": rng, "nonfinite": self.guard.state_dict(), "world_size": self.world,
+                "config": config_to_dict(self.cfg),
+            }, self.step)
+            if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint
+                save_weights(self.ema.module, self.run_dir / "ema.safetensors",
+                             metadata=self.task.weights_metadata(self.step))
+        self.last_saved = self.step
+        self.accelerator.wait_for_everyone()
+
+    def _after_step(self, last: bool, epoch_end: bool = True) -> None:
+        """The task's evaluation / sampling hooks, which must not move training randomness."""
+        with preserved_rng():
+            metrics = self.task.after_step(self, last=last, epoch_end=epoch_end)
+        if metrics:
+            self.logger.log(metrics, self.step)
+
+    def _finish(self) -> dict:
+        accelerator = self.accelerator
+        final = {"steps": self.step, "params": self.n_params, "nonfinite_steps": self.guard.read()[1],
+                 **{k.split("/", 1)[1]: v for k, v in self.last_record.items()}, **self.task.final_metrics(self)}
+        if accelerator.is_main_process:
+            meta = self.task.weights_metadata(self.step)
+            save_weights(self.model, self.run_dir / "model.safetensors", metadata=meta)
+            if self.ema is not None:
+                save_weights(self.ema.module, self.run_dir / "ema.safetensors", metadata=meta)
+            tmp = self.run_dir / (FINAL_METRICS_FILE + ".tmp")
+            tmp.write_text(json.dumps(final, indent=2))
+            tmp.replace(self.run_dir / FINAL_METRICS_FILE)
+        accelerator.wait_for_everyone()
+        return final
+
+
+
+def run_cli(schema, train, argv, *, prog: str, description: str, examples: Sequence[str]) -> dict:
+    """A trainer's command line: parse and validate the config, run, and turn bad input into a one-line error.
+
+    Errors about the user's input (a setting, a dataset, a checkpoint, a locked run directory, a diverged run)
+    end the process with status 2 and their message instead of a traceback; anything else (a bug) keeps its
+    traceback.
+    """
+    import sys
+    import traceback
+
+    from common.config import ConfigError, config_from_cli
+    from common.logging import NonFiniteLossError
+
+    cfg = config_from_cli(schema, argv, prog=prog, description=description, examples=examples)
+    try:
+        return train(cfg)
+    except (ConfigError, ResumeError, CheckpointError, FileNotFoundError, NonFiniteLossError, RunLockedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as err:
+        # The project's own input checks raise plain ValueErrors with the fix in the message; a library's do not.
+        raised_in = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(err.__traceback__)][-1]
+        if type(err) is ValueError and Path(raised_in).resolve().parent.parent == Path(__file__).resolve().parent.parent:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise

@@ -1,0 +1,122 @@
+"""DiT's training data: VAE latents (or Fashion-MNIST pixels on CPUs) turned into complete training examples.
+
+* :class:`DataConfig`: the ``data:`` section of a DiT recipe.
+* :class:`LatentImages`: a fresh latent per access, drawn from the VAE moments ``diffusion.extract_latents`` stored
+  (the image or its mirror); :class:`PixelImages`: Fashion-MNIST in [-1, 1], padded, randomly mirrored.
+* :class:`DiffusionExamples`: ``(x0, label, t, noise, drop_label)``; every random choice of an example is made in
+  the dataset, so under :class:`common.data.SeededDataset` it depends only on the sample's seed (the same for any
+  number of processes and after a resume).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from common.data import load_fashion_mnist
+from diffusion.latents import DEFAULT_VAE, LatentDataset, sample_latents
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["latents", "fashion_mnist"] = "latents"
+    path: Optional[str] = None  # latents: the --out of diffusion.extract_latents; fashion_mnist: optional root
+    autoencoder: str = DEFAULT_VAE  # VAE that decodes sample grids (dir or HF id); "none" = pixel space
+    image_size: int = 256  # pixels; latents: must match the extraction
+    num_classes: int = 1000
+    hflip: bool = True  # random horizontal flip (latents: the stored flipped view)
+    max_samples: Optional[int] = None  # keep the first N training examples (quick runs, tests)
+    num_workers: int = 4
+
+    def __post_init__(self):
+        if self.dataset == "latents" and not self.path:
+            raise ValueError("data.path is required for dataset=latents: the output directory of "
+                             "`python -m diffusion.extract_latents` (it holds metadata.json)")
+        if self.dataset == "latents" and self.autoencoder == "none":
+            raise ValueError("dataset=latents needs data.autoencoder (the VAE that made the latents, for sample "
+                             "grids); data.autoencoder=none is for pixel-space data")
+        if self.dataset == "fashion_mnist" and self.autoencoder != "none":
+            raise ValueError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
+        if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):
+            raise ValueError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
+
+
+
+class PixelImages(Dataset):
+    """Fashion-MNIST in [-1, 1], padded to ``image_size`` with the black background, randomly mirrored
+    when ``hflip``: ``(x0 (1, S, S), label)``."""
+
+    def __init__(self, split: str, image_size: int, root: Optional[str] = None, limit: Optional[int] = None,
+                 hflip: bool = True):
+        images, labels = load_fashion_mnist(split, root)
+        self.images = torch.from_numpy(images[:limit].copy())
+        self.labels = torch.from_numpy(labels[:limit].copy())
+        self.pad = (image_size - self.images.shape[-1]) // 2
+        self.hflip = hflip
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i].float().div(127.5).sub(1.0)[None]
+        if self.hflip and torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return torch.nn.functional.pad(x, (self.pad,) * 4, value=-1.0), int(self.labels[i])
+
+
+class LatentImages(Dataset):
+    """A fresh VAE latent per access, drawn from the stored moments: ``(x0 (C, h, w), label)``.
+
+    View 0 is the image, view 1 its mirror; ``hflip`` picks one at random.
+    """
+
+    def __init__(self, root: str, hflip: bool = True, limit: Optional[int] = None):
+        self.moments = LatentDataset(root)
+        self.hflip = hflip
+        self.length = len(self.moments) if limit is None else min(limit, len(self.moments))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        mean, logvar, label = self.moments[i]
+        flip = torch.rand(1) < 0.5 if self.hflip else torch.zeros(1, dtype=torch.bool)
+        noise = torch.randn(mean.shape[1:])
+        return sample_latents(mean[None], logvar[None], flip, noise[None], self.moments.scaling_factor)[0], label
+
+
+class DiffusionExamples(Dataset):
+    """A complete training example ``(x0, label, t, noise, drop_label)``. Together with the image dataset's
+    own draws (latent, flip), all its randomness is drawn here, so that under :class:`SeededDataset` it
+    depends only on the sample's seed."""
+
+    def __init__(self, images: Dataset, num_timesteps: int, class_dropout_prob: float):
+        self.images = images
+        self.num_timesteps = num_timesteps
+        self.class_dropout_prob = class_dropout_prob
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        x0, label = self.images[i]
+        t = torch.randint(self.num_timesteps, ())
+        noise = torch.randn_like(x0)
+        drop = torch.rand(()) < self.class_dropout_prob
+        return x0, label, t, noise, drop
+
+
+def build_images(cfg: DataConfig) -> Dataset:
+    if cfg.dataset == "fashion_mnist":
+        return PixelImages("train", cfg.image_size, cfg.path, cfg.max_samples, cfg.hflip)
+    images = LatentImages(cfg.path, cfg.hflip, cfg.max_samples)
+    meta = images.moments.metadata
+    if meta["image_size"] != cfg.image_size:
+        raise ValueError(f"the latents in {cfg.path} are of {meta['image_size']}px images, the config says "
+                         f"data.image_size={cfg.image_size}; make them agree")
+    if len(meta["classes"]) != cfg.num_classes:
+        raise ValueError(f"the latents in {cfg.path} have {len(meta['classes'])} classes, the config says "
+                         f"data.num_classes={cfg.num_classes}; make them agree")
+    return images

@@ -1,0 +1,160 @@
+"""What DeiT brings to the training loop (:mod:`common.trainer`): data + mixup, the model, the criterion, Top-1.
+
+The recipe is DeiT's: AdamW with the linear scaling rule ``lr = base_lr * batch_size / lr_base_batch``, a cosine
+schedule stepped every optimizer step (DeiT stepped it per epoch) after a linear warmup, mixup/cutmix with label
+smoothing, repeated augmentation, drop path, an optional EMA. Evaluation (Top-1/Top-5/loss on the val split,
+raw and EMA weights) runs every ``train.eval_every`` epochs and after the last step; the final metrics are those of
+the final epoch, never the best one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.scheduler import CosineLRScheduler
+
+from common import trainer
+from common.distributed import reduce_sum
+from vision.data import (AugmentConfig, DataConfig, build_dataset, build_eval_loader, build_mixup, build_transform,
+                         skipped_images)
+from vision.evaluate import ModelConfig, build_model, evaluate
+
+
+@dataclass
+class OptimConfig(trainer.OptimConfig):
+    """AdamW with a per-step cosine schedule and linear warmup (DeiT's numbers are in configs/deit_recipe.yaml)."""
+
+    weight_decay: float = 0.05
+    base_lr: float = 5e-4
+    lr_base_batch: int = 512  # lr = base_lr * batch_size / lr_base_batch (DeiT's linear scaling rule)
+    epochs: int = 10
+    warmup_epochs: float = 0.0
+    warmup_lr: float = 1e-6  # lr at step 0 of the warmup
+    min_lr: float = 1e-5  # lr at the end of the cosine
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.epochs < 1:
+            raise ValueError(f"optim.epochs={self.epochs} must be >= 1")
+        if self.lr_base_batch < 1 or self.base_lr <= 0:
+            raise ValueError(f"optim.base_lr={self.base_lr} must be positive and optim.lr_base_batch="
+                             f"{self.lr_base_batch} >= 1")
+
+    @property
+    def lr(self) -> float:
+        return self.base_lr * self.batch_size / self.lr_base_batch
+
+
+@dataclass
+class RunConfig(trainer.RunConfig):
+    output_dir: str = "runs/deit"
+    log_every: int = 50
+    eval_every: int = 1  # evaluate every N epochs (and always after the last); 0 = only at the end
+    eval_batch_size: int = 256  # per process
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.eval_every < 0 or self.eval_batch_size < 1:
+            raise ValueError(f"train.eval_every={self.eval_every} must be >= 0 and train.eval_batch_size="
+                             f"{self.eval_batch_size} >= 1")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(dataset="fashion_mnist"))
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if self.augment.mixup > 0 or self.augment.cutmix > 0:
+            if self.optim.batch_size % 2:
+                raise ValueError("mixup/cutmix mix pairs of images: optim.batch_size must be even")
+
+
+def build_criterion(augment: AugmentConfig) -> torch.nn.Module:
+    """Soft-target CE after mixup (smoothing is inside the soft targets), else (label-smoothed) CE."""
+    if augment.mixup > 0 or augment.cutmix > 0:
+        return SoftTargetCrossEntropy()
+    if augment.label_smoothing > 0:
+        return LabelSmoothingCrossEntropy(smoothing=augment.label_smoothing)
+    return torch.nn.CrossEntropyLoss()
+
+
+class DeiTTask:
+    """DeiT's pieces for :class:`common.trainer.Trainer`."""
+
+    loss_parts = ()
+    # Besides the trainer's own list: the length and the learning-rate schedule (applied from the resumed step
+    # on: the cosine is recomputed for the new settings) and the evaluation settings.
+    resumable_changes = ("optim.base_lr", "optim.lr_base_batch", "optim.epochs", "optim.warmup_epochs",
+                         "optim.warmup_lr", "optim.min_lr", "train.eval_every", "train.eval_batch_size",
+                         "data.max_val_samples")
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.repeats = cfg.augment.repeated_aug
+        self.num_workers = cfg.data.num_workers
+        self.lr = cfg.optim.lr
+        self.last_eval: dict = {}
+
+    def setup(self, accelerator) -> None:
+        cfg = self.cfg
+        self.accelerator = accelerator
+        self.train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.augment, training=True))
+        val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
+        self.val_loader = accelerator.prepare(build_eval_loader(val_set, cfg.train.eval_batch_size,
+                                                                cfg.data.num_workers))
+        self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
+        self.criterion = build_criterion(cfg.augment)
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg.model, self.cfg.data)
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        return self.cfg.optim.epochs * steps_per_epoch
+
+    def lr_scheduler(self, optimizer, steps_per_epoch: int, total_steps: int) -> CosineLRScheduler:
+        o = self.cfg.optim
+        return CosineLRScheduler(optimizer, t_initial=total_steps, lr_min=o.min_lr,
+                                 warmup_t=round(o.warmup_epochs * steps_per_epoch), warmup_lr_init=o.warmup_lr,
+                                 t_in_epochs=False)
+
+    def loss(self, model, batch):
+        images, targets = batch
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        return self.criterion(model(images), targets), {}
+
+    def run_summary(self) -> dict:
+        return {"lr_peak": self.cfg.optim.lr}
+
+    def log_extras(self, trainer) -> dict:
+        return {"train/skipped_images": self._skipped()}
+
+    def _skipped(self) -> int:
+        return int(reduce_sum(self.accelerator, torch.tensor(skipped_images(self.train_set))))
+
+    def after_step(self, trainer, last: bool, epoch_end: bool) -> Optional[dict]:
+        every = self.cfg.train.eval_every
+        epoch = trainer.step // trainer.steps_per_epoch
+        if not (last or (epoch_end and every and epoch % every == 0)):
+            return None
+        metrics = {f"val/{k}": v for k, v in evaluate(trainer.train_model, self.val_loader, self.accelerator).items()}
+        if trainer.ema is not None:
+            metrics.update({f"val_ema/{k}": v for k, v in
+                            evaluate(trainer.ema.module, self.val_loader, self.accelerator).items()})
+        metrics["epoch"] = epoch
+        self.accelerator.print(f"epoch {epoch}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()
+                                                             if k.endswith(("top1", "loss"))))
+        self.last_eval = metrics
+        return metrics
+
+    def final_metrics(self, trainer) -> dict:
+        return {**self.last_eval, "skipped_images": self._skipped()}
+
+    def weights_metadata(self, step: int) -> dict:
+        return {"model": self.cfg.model.name, "step": step}
