@@ -39,17 +39,23 @@ def read_file(path: Union[str, os.PathLike]) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device="cpu")
     try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path), device="cpu")
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        if "weights_only" not in str(err).lower() and "unsupported global" not in str(err).lower():
+            raise CheckpointError(f"{path} is damaged or not a weights file ({str(err).splitlines()[0]})") from None
         raise CheckpointError(
             f"{path} is not a plain state dict: torch.load(weights_only=True) refused it ({str(err).splitlines()[0]}). "
             "Re-save it as a dict of tensors (torch.save(model.state_dict(), ...)) or as .safetensors."
         ) from err
+    except Exception as err:  # SafetensorError, EOFError, RuntimeError("PytorchStreamReader failed ..."), ...
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path} is damaged or not a weights file ({type(err).__name__}: {detail}); "
+                              "restore it or write it again") from None
 
 
 def unwrap_state_dict(obj, key: Optional[str] = None) -> dict:

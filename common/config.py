@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type, TypeVar, Union
@@ -86,6 +87,8 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
+        if re.search(r"(^|\s)#", raw) and not (isinstance(value, str) and "#" in value):
+            value = raw.strip()  # YAML read a comment, but a command line has none: the whole text is the value
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
@@ -182,7 +185,11 @@ def _build(cls: Type[T], values: Mapping, where: str = "") -> T:
     kwargs = {}
     for name, f in fields.items():
         if name in values:
-            kwargs[name] = _coerce(values[name], hints[name], f"{where}.{name}" if where else name)
+            value = values[name]
+            if dataclasses.is_dataclass(hints[name]) and f.default_factory is not dataclasses.MISSING \
+                    and isinstance(value, Mapping):  # a partly given section starts from its schema's own default
+                value = deep_merge(config_to_dict(f.default_factory()), value)
+            kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
         elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
             kwargs[name] = _build(hints[name], {}, f"{where}.{name}" if where else name)
     try:

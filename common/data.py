@@ -65,10 +65,8 @@ def find_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = Non
     if split not in _SPLIT_PREFIX:
         raise ValueError(f"Fashion-MNIST split {split!r}; choose 'train' or 'test'")
     prefix = _SPLIT_PREFIX[split]
-    candidates = [DEBIAN_FASHION_MNIST]
-    if root is not None:
-        root = Path(root)
-        candidates += [root / "FashionMNIST" / "raw", root]
+    # A given root is where the files must be (never silently replaced by the system copy); else Debian's location.
+    candidates = [DEBIAN_FASHION_MNIST] if root is None else [Path(root) / "FashionMNIST" / "raw", Path(root)]
     for d in candidates:
         for suffix in (".gz", ""):
             images = d / f"{prefix}-images-idx3-ubyte{suffix}"
@@ -78,7 +76,7 @@ def find_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = Non
     raise FileNotFoundError(
         f"Fashion-MNIST {split} files ({prefix}-images-idx3-ubyte[.gz], {prefix}-labels-idx1-ubyte[.gz]) not found in "
         f"{', '.join(str(c) for c in candidates)}. Install them with `sudo apt-get install dataset-fashion-mnist` "
-        "(or `make data`), or pass the directory of a torchvision download as the data path."
+        "(or `make data`), or pass the directory of a torchvision download as data.path."
     )
 
 

@@ -99,7 +99,9 @@ def atomic_torch_save(obj, path: Union[str, os.PathLike]) -> Path:
 
 def load_training_checkpoint(path: Union[str, os.PathLike]) -> dict:
     """Read a training checkpoint without executing code (``weights_only=True``)."""
-    return torch.load(Path(path), map_location="cpu", weights_only=True)
+    from common.checkpoint import read_file  # a damaged file becomes a CheckpointError naming it
+
+    return read_file(path)
 
 
 class CheckpointManager:

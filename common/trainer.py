@@ -31,7 +31,8 @@ from typing import Dict, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
-from common.checkpoint import CheckpointError, bare_model, save_weights
+from common.checkpoint import bare_model, save_weights
+from common.cli import InputError
 from common.config import config_to_dict, flatten, save_config
 from common.data import ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
@@ -43,7 +44,7 @@ from common.train_state import (CheckpointManager, RunLock, RunLockedError, capt
 FINAL_METRICS_FILE = "final_metrics.json"
 
 
-class ResumeError(ValueError):
+class ResumeError(InputError):
     """A run directory whose checkpoint cannot be continued with the given settings."""
 
 
@@ -445,28 +446,10 @@ class Trainer:
 
 
 def run_cli(schema, train, argv, *, prog: str, description: str, examples: Sequence[str]) -> dict:
-    """A trainer's command line: parse and validate the config, run, and turn bad input into a one-line error.
-
-    Errors about the user's input (a setting, a dataset, a checkpoint, a locked run directory, a diverged run)
-    end the process with status 2 and their message instead of a traceback; anything else (a bug) keeps its
-    traceback.
-    """
-    import sys
-    import traceback
-
-    from common.config import ConfigError, config_from_cli
-    from common.logging import NonFiniteLossError
+    """A trainer's command line: parse and validate the config, then run; bad input ends in one line."""
+    from common.cli import one_line_errors
+    from common.config import config_from_cli
 
     cfg = config_from_cli(schema, argv, prog=prog, description=description, examples=examples)
-    try:
+    with one_line_errors():
         return train(cfg)
-    except (ConfigError, ResumeError, CheckpointError, FileNotFoundError, NonFiniteLossError, RunLockedError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except ValueError as err:
-        # The project's own input checks raise plain ValueErrors with the fix in the message; a library's do not.
-        raised_in = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(err.__traceback__)][-1]
-        if type(err) is ValueError and Path(raised_in).resolve().parent.parent == Path(__file__).resolve().parent.parent:
-            print(f"error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise

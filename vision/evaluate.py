@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 import vision  # noqa: F401  (registers our DeiT variants with timm)
 from common.checkpoint import load_weights
-from common.config import ConfigError, deep_merge, from_dict, parse_overrides, read_yaml
+from common.cli import one_line_errors
+from common.config import deep_merge, from_dict, parse_overrides, read_yaml
 from vision.data import DataConfig, build_dataset, build_eval_loader, build_transform
 
 
@@ -42,17 +43,75 @@ class ModelConfig:
     drop_path: float = 0.0
     pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
 
+    def __post_init__(self):
+        # timm drops None-valued keyword arguments silently, and YAML reads `{embed_dim:32}` as {"embed_dim:32": None}.
+        bad = [k for k, v in self.kwargs.items() if v is None or not str(k).isidentifier()]
+        if bad:
+            raise ValueError(f"model.kwargs {bad} have no value: in YAML write `{{embed_dim: 32}}` with a space after "
+                             "the colon (or model.kwargs.embed_dim=32 on the command line)")
+        if not timm.is_model(self.name):
+            close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
+            raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
+                             "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
+                             "deit_*_patch16_224)")
+        check_model_kwargs(self.name, self.kwargs)
+
 
 def build_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
-    """Create the timm model a config names; unknown names get a list of close ones."""
-    if not timm.is_model(model.name):
-        close = timm.list_models(f"*{model.name.split('_')[0]}*")[:12]
-        raise ValueError(f"unknown model {model.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. "
-                         "Ours: deit_{tiny,small,base}_{siamese,post,mixln}_patch16_224 (Pre-Norm: timm's deit_*_patch16_224)")
+    """Create the timm model a config names (name and keyword arguments were checked with the config)."""
     kwargs = dict(model.kwargs)
     kwargs.setdefault("img_size", data.input_size)
-    return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
-                             drop_path_rate=model.drop_path, **kwargs)
+    if model.pretrained:
+        check_pretrained_reachable(model.name)
+    try:
+        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
+                                 drop_path_rate=model.drop_path, **kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" in str(err):
+            raise ValueError(f"model.kwargs do not fit {model.name}: {err}") from None
+        raise
+
+
+def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
+    """Fail in seconds, not after a minute of retries, when timm's weights are neither cached nor downloadable."""
+    import socket
+
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        raise ValueError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
+    if cfg.hf_hub_id and any(isinstance(try_to_load_from_cache(cfg.hf_hub_id, f), str)
+                             for f in ("model.safetensors", "pytorch_model.bin", cfg.hf_hub_filename or "model.safetensors")):
+        return
+    if cfg.url and (Path(torch.hub.get_dir()) / "checkpoints" / Path(cfg.url).name).is_file():
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        raise FileNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be reached: "
+                                "pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
+
+
+def check_model_kwargs(name: str, kwargs: dict) -> None:
+    """Unknown keyword arguments of a ViT/DeiT are an error before any work (not a silently ignored setting)."""
+    import inspect
+
+    from timm.models import model_entrypoint
+    from timm.models.vision_transformer import VisionTransformer
+
+    from vision.deit import SiameseNormVisionTransformer
+
+    module = model_entrypoint(name).__module__
+    if module not in ("timm.models.vision_transformer", "timm.models.deit", SiameseNormVisionTransformer.__module__):
+        return  # another timm family: timm's own TypeError is reported by build_model
+    valid = set(inspect.signature(VisionTransformer).parameters)
+    if module == SiameseNormVisionTransformer.__module__:
+        valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise ValueError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
+                         f"{', '.join(sorted(valid - {'kwargs'}))}")
 
 
 @torch.no_grad()
@@ -140,11 +199,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--config", help="YAML with eval keys, or a training run's config.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. checkpoint=runs/x/model.safetensors")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_eval_config(args.config, args.overrides)
-    except ConfigError as err:
-        parser.exit(2, f"error: {err}\n")
-    return run(cfg)
+    with one_line_errors():
+        return run(load_eval_config(args.config, args.overrides))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""Command-line conventions shared by every entry point: bad input ends in one line naming the fix.
+
+    with one_line_errors():
+        run(cfg)
+
+Errors about the user's input -- a setting, a missing file or dataset, a damaged or incompatible checkpoint,
+a locked run directory, a diverged run -- end the process with status 2 and their message instead of a
+traceback. Anything else (a bug) keeps its traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class InputError(ValueError):
+    """Base class of the project's errors about user input (settings, files, run directories)."""
+
+
+def _raised_by_project(err: BaseException) -> bool:
+    """A plain ValueError raised by this project's own checks (they carry the fix), not by a library."""
+    frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(err.__traceback__)]
+    return bool(frames) and Path(frames[-1]).resolve().parent.parent == PROJECT_ROOT
+
+
+def is_input_error(err: BaseException) -> bool:
+    from common.checkpoint import CheckpointError
+    from common.config import ConfigError
+    from common.logging import NonFiniteLossError
+    from common.train_state import RunLockedError
+
+    if isinstance(err, (InputError, ConfigError, CheckpointError, FileNotFoundError, NonFiniteLossError,
+                        RunLockedError)):
+        return True
+    return type(err) is ValueError and _raised_by_project(err)
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    try:
+        yield
+    except Exception as err:
+        if not is_input_error(err):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,220 @@
+"""The one training loop (common/trainer.py), through both trainers: reruns, resume decisions, bad input, the lock.
+
+Tiny models on a few Fashion-MNIST images, one thread; each case is a handful of optimizer steps.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import load_config
+from common.logging import read_metrics
+from common.train_state import CheckpointManager, RunLock
+from diffusion import train as dit_train
+from vision import train as deit_train
+
+pytestmark = pytest.mark.fashion_mnist
+ROOT = Path(__file__).resolve().parents[1]
+DEIT = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
+        "data.num_workers=0", "train.tensorboard=false", "train.threads=1", "data.max_train_samples=48",
+        "data.max_val_samples=20", "optim.batch_size=16", "optim.epochs=2", "train.log_every=1"]
+DIT = ["model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=0", "train.tensorboard=false",
+       "train.threads=1", "data.max_samples=24", "optim.batch_size=8", "optim.steps=4", "train.log_every=1",
+       "train.ema_decay=0.5", "train.sample_count=2", "train.sample_steps=2"]
+torch.set_num_threads(1)
+
+
+def deit(out, *overrides, recipe="fmnist_deit_siamese"):
+    return load_config(deit_train.TrainConfig, ROOT / f"configs/{recipe}.yaml", [*DEIT, f"train.output_dir={out}", *overrides])
+
+
+def dit(out, *overrides):
+    return load_config(dit_train.TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml", [*DIT, f"train.output_dir={out}",
+                                                                                      *overrides])
+
+
+def cli_error(main, recipe, *overrides, capsys) -> str:
+    """Run a trainer's CLI that must refuse its input: exit status 2 and a one-line message."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(ROOT / "configs" / recipe), *overrides])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    err = stderr.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "Traceback" not in stderr, stderr
+    return err
+
+
+def snapshot(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_rerunning_a_finished_run_leaves_it_as_it_was(tmp_path, capsys):
+    final = deit_train.train(deit(tmp_path))
+    assert {"val/top1", "val/loss", "params", "steps", "skipped_images"} <= set(final)
+    before = snapshot(tmp_path)
+    assert deit_train.train(deit(tmp_path)) == final
+    assert "already finished at step 6" in capsys.readouterr().out
+    assert snapshot(tmp_path) == before
+
+
+def test_a_run_killed_after_its_last_checkpoint_writes_its_final_outputs_on_rerun(tmp_path):
+    final = dit_train.train(dit(tmp_path, "train.sample_every=4"))
+    for name in ("final_metrics.json", "model.safetensors", "samples/step_0000004.png"):
+        (tmp_path / name).unlink()  # as if killed right after the final checkpoint
+    records = len(read_metrics(tmp_path))
+    again = dit_train.train(dit(tmp_path, "train.sample_every=4"))
+    assert (tmp_path / "samples" / "step_0000004.png").is_file() and (tmp_path / "model.safetensors").is_file()
+    assert again["steps"] == final["steps"] == 4
+    assert not [r for r in read_metrics(tmp_path)[records:] if "train/loss" in r]  # no step trained again
+
+
+def test_resume_at_an_epoch_boundary_is_bit_identical_with_evaluation_on(tmp_path):
+    # Drop path and mixup draw from the global RNG; the end-of-epoch evaluation must not move it.
+    common = ["model.drop_path=0.2", "augment.mixup=0.8", "augment.cutmix=1.0", "train.eval_every=1",
+              "train.ema_decay=0.5", "train.ckpt_every=100"]
+    deit_train.train(deit(tmp_path / "full", *common))
+    assert deit_train.train(deit(tmp_path / "resumed", *common, "train.stop_at_step=3")) == {"stopped_at": 3}
+    deit_train.train(deit(tmp_path / "resumed", *common))  # 3 steps per epoch: the checkpoint is at the boundary
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = load_file(tmp_path / "full" / name), load_file(tmp_path / "resumed" / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_new_learning_rate_on_resume_is_applied(tmp_path):
+    deit_train.train(deit(tmp_path / "run", "train.stop_at_step=2"))
+    deit_train.train(deit(tmp_path / "run", "optim.base_lr=2e-3"))
+    deit_train.train(deit(tmp_path / "fresh", "optim.base_lr=2e-3"))
+    lr = lambda d: {r["step"]: r["train/lr"] for r in read_metrics(d) if "train/lr" in r}  # noqa: E731
+    resumed, fresh = lr(tmp_path / "run"), lr(tmp_path / "fresh")
+    assert [resumed[s] for s in range(3, 7)] == [fresh[s] for s in range(3, 7)]
+    assert "base_lr: 0.002" in (tmp_path / "run" / "config.yaml").read_text()  # it says what the run does
+    event = [r for r in read_metrics(tmp_path / "run") if r.get("event") == "resumed"][0]
+    assert event["step"] == 2 and event["changed"]["optim.base_lr"] == [1e-3, 2e-3]
+
+
+@pytest.mark.parametrize("change, named", [("optim.batch_size=8", "optim.batch_size: 16 -> 8"),
+                                           ("model.kwargs.embed_dim=48", "model.kwargs.embed_dim: 32 -> 48"),
+                                           ("model.name=deit_tiny_post_patch16_224", "model.name")])
+def test_a_setting_that_cannot_change_on_resume_is_refused_by_name(tmp_path, capsys, change, named):
+    deit_train.train(deit(tmp_path, "train.stop_at_step=1"))
+    config_before = (tmp_path / "config.yaml").read_bytes()
+    err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}", change,
+                    capsys=capsys)
+    assert named in err and "another train.output_dir" in err
+    assert (tmp_path / "config.yaml").read_bytes() == config_before
+
+
+def test_resume_null_does_not_start_over_on_top_of_a_run(tmp_path, capsys):
+    deit_train.train(deit(tmp_path, "train.stop_at_step=1"))
+    err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}",
+                    "train.resume=null", capsys=capsys)
+    assert "holds checkpoints up to step 1" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.kwargs={embed_dim:32}"], "write `{embed_dim: 32}` with a space"),
+    (["model.kwargs.embed_dm=32"], "not arguments of deit_tiny_siamese_patch16_224"),
+    (["train.ckpt_every=0"], "train.ckpt_every=0 must be >= 1"),
+    (["train.log_every=0"], "train.log_every=0 must be >= 1"),
+    (["optim.batch_size=0"], "optim.batch_size=0 must be >= 1"),
+    (["optim.epochs=0"], "optim.epochs=0 must be >= 1"),
+    (["train.keep_last=1"], "train.keep_last=1 must be >= 2"),
+])
+def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message):
+    err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}", *overrides,
+                    capsys=capsys)
+    assert message in err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.steps=0"], "optim.steps=0 must be >= 1"),
+    (["model.topology=sandwich"], "unknown residual topology 'sandwich'"),
+    (["data.path=/data/my #1 run"], "/data/my #1 run"),  # not cut at the ` #` as a YAML comment
+])
+def test_dit_input_errors_before_any_work(tmp_path, capsys, overrides, message):
+    err = cli_error(dit_train.main, "fmnist_dit_siamese.yaml", *DIT, f"train.output_dir={tmp_path}", *overrides,
+                    capsys=capsys)
+    assert message in err
+
+
+@pytest.mark.parametrize("topology", ["residual", "deepnorm", "mixln"])
+def test_the_dit_trainer_accepts_every_dit_topology(tmp_path, topology):
+    assert dit_train.train(dit(tmp_path, f"model.topology={topology}", "optim.steps=1"))["steps"] == 1
+
+
+def test_a_second_run_in_the_same_directory_is_refused(tmp_path, capsys):
+    lock = RunLock(tmp_path)
+    lock.acquire()  # a live run holds the directory
+    try:
+        err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}", capsys=capsys)
+    finally:
+        lock.release()
+    assert "is in use by another run (pid" in err and "another train.output_dir" in err
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from common.train_state import RunLock; "
+                               f"RunLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline().strip() == "locked"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert deit_train.train(deit(tmp_path, "optim.epochs=1"))["steps"] == 3
+    assert f"pid {holder.pid}" in capsys.readouterr().out  # named as the run whose lock was taken over
+
+
+def test_every_checkpoint_unreadable_stops_instead_of_restarting(tmp_path, capsys):
+    deit_train.train(deit(tmp_path, "train.stop_at_step=2", "train.ckpt_every=1"))
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    for step in ckpts.steps():
+        path = ckpts.path_for(step)
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="skipping unreadable checkpoint"):
+        err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}",
+                        capsys=capsys)
+    assert "no readable checkpoint" in err and "step_000000001.pt" in err and "step_000000002.pt" in err
+    assert [len(ckpts.path_for(s).read_bytes()) for s in ckpts.steps()] == [100, 100]  # not overwritten
+
+
+def test_a_damaged_weights_file_is_one_line_naming_it(tmp_path, capsys):
+    from vision import evaluate
+
+    deit_train.train(deit(tmp_path, "optim.epochs=1"))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--config", str(tmp_path / "config.yaml"), f"checkpoint={weights}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{weights} is damaged" in err and "Traceback" not in err
+
+
+def test_metrics_after_a_kill_are_cut_back_to_the_checkpoint(tmp_path):
+    """SIGKILL mid-run: the records logged after the newest checkpoint are dropped on resume, none twice."""
+    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *DIT, f"train.output_dir={tmp_path}",
+            "train.ckpt_every=3", "optim.steps=100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "diffusion.train", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                            "PYTHONPATH": str(ROOT)})
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    deadline = time.time() + 120
+    while (not (tmp_path / "metrics.jsonl").is_file() or max([r["step"] for r in read_metrics(tmp_path)] or [0]) < 5) \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    logged = max(r["step"] for r in read_metrics(tmp_path))
+    assert logged > ckpts.steps()[-1] >= 3
+    dit_train.main(args[:-1] + ["optim.steps=30"])  # the length may change on resume
+    steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert steps == list(range(1, 31))
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["steps"] == 30
