@@ -50,9 +50,19 @@ class ModelEma(nn.Module):
         """One EMA step towards ``model``. ``skip`` (a 0-d float tensor, 1 = skip) leaves the EMA unchanged for a
         step the optimizer skipped, decided on the device without a host sync."""
         decay = self.ema.get_decay(step if self.ema.use_warmup else None)
-        if skip is not None:  # lerp weight (1 - decay) becomes 0 on a skipped step
-            decay = 1.0 - (1.0 - decay) * (1.0 - skip)
-        self.ema.apply_update_(bare_model(model), decay)
+        if skip is None:
+            return self.ema.apply_update_(bare_model(model), decay)
+        # timm's update takes a Python weight; a tensor weight would be read by the host (a sync), so the lerp with
+        # per-tensor weights (0 on a skipped step) is written here.
+        ema_values, model_values = [], []
+        for ema_v, model_v in zip(self.ema.module.state_dict().values(), bare_model(model).state_dict().values()):
+            if ema_v.is_floating_point():
+                ema_values.append(ema_v)
+                model_values.append(model_v)
+            else:
+                ema_v.copy_(model_v)
+        weight = (1.0 - skip) * (1.0 - decay)
+        torch._foreach_lerp_(ema_values, model_values, [weight] * len(ema_values))
 
     def state_dict(self, *args, **kwargs):
         return self.ema.module.state_dict(*args, **kwargs)

@@ -1,0 +1,163 @@
+"""The training step itself: no host sync outside logging steps, and torch.compile equal to eager.
+
+A host sync is a read of a tensor's value by the host (``aten._local_scalar_dense``: ``.item()``, ``bool()``,
+``float()``, ``.tolist()`` of a device tensor); on a GPU each one stalls the host until the device has caught up.
+The counter sees them on the CPU too, so the step can be checked here.
+"""
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common.config import load_config
+from common.trainer import Trainer
+from diffusion import train as dit_train
+from diffusion.task import DiTTask
+from vision import train as deit_train
+from vision.task import DeiTTask
+
+pytestmark = pytest.mark.fashion_mnist
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_DIRS = tuple(str(ROOT / d) for d in ("common", "vision", "diffusion"))
+torch.set_num_threads(1)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Records every float/bool value read by the host that project code triggers (file:line of the project frame).
+
+    Integer reads are left out: on the CPU they cannot be told apart from the sampler's index bookkeeping
+    (``int(order[i])`` on a host tensor), which never touches the device; values that decide or report training
+    (a loss, a norm, a finite flag) are float or bool.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and (args[0].is_floating_point()
+                                                                     or args[0].dtype == torch.bool):
+            frames = [f for f in traceback.extract_stack() if f.filename.startswith(PROJECT_DIRS)]
+            if frames:
+                self.reads.append(f"{frames[-1].filename}:{frames[-1].lineno} ({args[0].dtype})")
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs_per_step(monkeypatch, cfg, task_cls):
+    """Run a training and count the host reads inside ``train_step`` of every step that is not a logging step."""
+    counts = {}
+    original = Trainer.train_step
+
+    def counted(self, batches):
+        logging_step = (self.step + 1) % self.run.log_every == 0 or self.step + 1 == self.total_steps
+        if logging_step:
+            return original(self, batches)
+        with HostSyncCounter() as counter:
+            original(self, batches)
+        counts[self.step + 1] = counter.reads
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    Trainer(cfg, task_cls(cfg)).fit()
+    return counts
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_deit_steps_never_wait_for_the_device(tmp_path, monkeypatch, clip):
+    # The recipe's pieces that touch a step: mixup/cutmix, drop path, EMA, label smoothing, grad accumulation.
+    cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
+        "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
+        "data.num_workers=1", "train.tensorboard=false", "data.max_train_samples=64", "data.max_val_samples=16",
+        "optim.batch_size=16", "optim.epochs=1", "optim.grad_accum=2", "train.log_every=3", "train.ema_decay=0.9",
+        "model.drop_path=0.1", "augment.mixup=0.8", "augment.cutmix=1.0", f"optim.clip_grad={clip or 'null'}",
+        f"train.output_dir={tmp_path}"])
+    counts = count_syncs_per_step(monkeypatch, cfg, DeiTTask)
+    assert sorted(counts) == [1, 2] and all(reads == [] for reads in counts.values()), counts
+
+
+def test_dit_steps_never_wait_for_the_device(tmp_path, monkeypatch):
+    cfg = load_config(dit_train.TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml", [
+        "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=1", "train.tensorboard=false",
+        "data.max_samples=32", "optim.batch_size=8", "optim.steps=4", "train.log_every=4", "train.sample_every=0",
+        f"train.output_dir={tmp_path}"])
+    counts = count_syncs_per_step(monkeypatch, cfg, DiTTask)
+    assert sorted(counts) == [1, 2, 3] and all(reads == [] for reads in counts.values()), counts
+
+
+def test_the_counter_sees_a_sync_in_project_code():
+    from common.logging import _plain
+
+    with HostSyncCounter() as counter:
+        _plain(torch.tensor(1.5))  # .item() of a float tensor, in project code
+        torch.tensor(2.5).item()  # the same read from outside the project is not counted
+    assert len(counter.reads) == 1 and "common/logging.py" in counter.reads[0]
+
+
+def test_a_skipped_step_leaves_the_ema_unchanged():
+    from common.ema import ModelEma
+
+    model = torch.nn.Linear(4, 4)
+    ema = ModelEma(model, decay=0.9)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    before = ema.module.weight.clone()
+    ema.update(model, skip=torch.tensor(1.0))
+    assert torch.equal(ema.module.weight, before)
+    ema.update(model, skip=torch.tensor(0.0))
+    torch.testing.assert_close(ema.module.weight, 0.9 * before + 0.1 * model.weight.detach(), rtol=0, atol=1e-6)
+
+
+def _grads(model):
+    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_compiled_models_equal_eager_and_training_does_not_recompile(tmp_path):
+    """One tiny model per family under inductor: outputs and gradients equal eager; then a compiled DeiT run whose
+    per-epoch evaluation (eval mode, a partial last batch) compiles in the first epoch only."""
+    import copy
+
+    import timm
+    import torch._dynamo
+
+    from diffusion.models import DiT
+
+    torch.manual_seed(0)
+    deit = timm.create_model("deit_tiny_siamese_patch16_224", img_size=16, patch_size=8, embed_dim=32, depth=2,
+                             num_heads=2, num_classes=5)
+    dit_model = DiT(input_size=8, patch_size=4, in_channels=1, hidden_size=32, depth=2, num_heads=2, num_classes=5,
+                    topology="siamese")
+    for p in dit_model.parameters():  # move adaLN-Zero's zero init off zero, so every path carries gradient
+        p.data.add_(0.02 * torch.randn_like(p))
+    deit_inputs = (torch.randn(3, 3, 16, 16),)
+    dit_inputs = (torch.randn(3, 1, 8, 8), torch.tensor([1, 500, 999]), torch.tensor([0, 3, 4]))
+    for model, inputs in ((deit, deit_inputs), (dit_model, dit_inputs)):
+        compiled_model = torch.compile(copy.deepcopy(model))
+        eager_out, compiled_out = model(*inputs), compiled_model(*inputs)
+        torch.testing.assert_close(compiled_out, eager_out, rtol=1e-5, atol=1e-5)
+        eager_out.square().mean().backward()
+        compiled_out.square().mean().backward()
+        eager_grads, compiled_grads = _grads(model), _grads(compiled_model)
+        assert eager_grads.keys() == compiled_grads.keys()
+        for name in eager_grads:
+            torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    torch._dynamo.reset()
+    graphs = []
+    original = DeiTTask.after_step
+
+    def after_step(self, trainer, last, epoch_end):
+        out = original(self, trainer, last=last, epoch_end=epoch_end)
+        if epoch_end:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return out
+
+    cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
+        "model.kwargs={embed_dim: 32, depth: 1, num_heads: 2, patch_size: 8}", "data.input_size=16",
+        "data.num_workers=0", "train.tensorboard=false", "data.max_train_samples=32", "data.max_val_samples=20",
+        "optim.batch_size=16", "optim.epochs=3", "train.eval_batch_size=16", "train.compile=true",
+        f"train.output_dir={tmp_path}"])
+    task = DeiTTask(cfg)
+    task.after_step = after_step.__get__(task)
+    Trainer(cfg, task).fit()
+    assert len(graphs) == 3 and graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], graphs
