@@ -14,18 +14,16 @@ Four diagnostics; each *computes* a plain dict of numbers from a model (or a run
 
 On a trained DeiT run directory (``vision.train`` output), all at once::
 
-    python -m common.diagnostics --run runs/fmnist_deit_siamese --out runs/fmnist_deit_siamese/diagnostics
+    python -m scripts.diagnose --run runs/fmnist_deit_siamese --out runs/fmnist_deit_siamese/diagnostics
 
 The hooks go on ``model.blocks`` (timm ViT and our DiT both have it); a block's output is a tensor
 (one stream) or an ``(X, Y)`` tuple (SiameseNorm, ResiDual).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
@@ -257,73 +255,3 @@ def write_diagnostic(kind: str, results: Mapping[str, dict], out_dir: PathLike, 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
-
-# ----------------------------------------------------------------------------- a DeiT run directory
-
-def diagnose_deit_run(run_dir: PathLike, max_images: Optional[int] = 1000, batch_size: int = 250,
-                      weights: str = "model.safetensors") -> Dict[str, dict]:
-    """All diagnostics of a finished ``vision.train`` run, on the first ``max_images`` held-out images.
-
-    The model and data come from the run's ``config.yaml``, the weights from ``run_dir/<weights>``;
-    the held-out loss is :func:`vision.evaluate.evaluate` (cross-entropy, plus Top-1). Diagnostics that do not
-    apply (stream contribution of a non-Siamese model) are left out.
-    """
-    from common.checkpoint import load_weights
-    from common.config import load_config
-    from common.distributed import build_accelerator
-    from vision.data import build_dataset, build_eval_loader, build_transform
-    from vision.evaluate import build_model, evaluate
-    from vision.train import TrainConfig
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file() or not (run_dir / weights).is_file():
-        raise FileNotFoundError(f"{run_dir} is not a finished vision.train run (needs config.yaml and {weights})")
-    cfg = load_config(TrainConfig, run_dir / "config.yaml")
-    if max_images is not None:
-        cfg.data.max_val_samples = max_images
-    cfg.data.num_workers = 0
-    model = build_model(cfg.model, cfg.data)
-    load_weights(model, run_dir / weights)
-    dataset = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
-    loader = build_eval_loader(dataset, batch_size, 0)
-    accelerator = build_accelerator("fp32", run_dir=None, tensorboard=False)
-    images = next(iter(loader))[0]
-
-    out = {"hidden_state_norms": hidden_state_norms(model, images),
-           "layer_removal": layer_removal(model, lambda m: evaluate(m, loader, accelerator))}
-    try:
-        out["stream_contribution"] = stream_contribution(model)
-    except ValueError:
-        pass
-    try:
-        out["grad_norm"] = grad_norm_trace(run_dir)
-    except ValueError:
-        pass
-    return out
-
-
-def main(argv=None) -> Dict[str, dict]:
-    parser = argparse.ArgumentParser(
-        prog="python -m common.diagnostics", description=__doc__.split("\n\n")[0],
-        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, nargs="+", help="vision.train run directories (labels = their names)")
-    parser.add_argument("--out", required=True, help="directory for <diagnostic>.json and <diagnostic>.png")
-    parser.add_argument("--images", type=int, default=1000, help="held-out images used (default 1000; 0 = all)")
-    parser.add_argument("--weights", default="model.safetensors", help="weights file inside each run (or ema.safetensors)")
-    args = parser.parse_args(argv)
-    per_kind: Dict[str, dict] = {}
-    for run in args.run:
-        try:
-            found = diagnose_deit_run(run, args.images or None, weights=args.weights)
-        except FileNotFoundError as err:
-            parser.exit(2, f"error: {err}\n")
-        for kind, result in found.items():
-            per_kind.setdefault(kind, {})[Path(run).name] = result
-    for kind, results in per_kind.items():
-        print(f"wrote {write_diagnostic(kind, results, args.out)}")
-    return per_kind
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -9,7 +9,7 @@ Every run trains through the real trainer (``vision.train.train`` / ``diffusion.
 ``configs/fmnist_deit.yaml`` / ``configs/fmnist_dit.yaml``) in ``OUT/runs/<topology>_d<depth>_lr<lr>_s<seed>``,
 is evaluated by the real evaluator (Top-1 of ``vision.evaluate`` on the held-out split; for DiT, samples from
 ``diffusion.sample`` scored by ``diffusion.fid`` with the Fashion-MNIST classifier features), and is diagnosed with
-``common.diagnostics``. A finished run leaves ``result.json`` and is not redone; an unfinished one continues
+``common.diagnostics`` (``scripts.diagnose``). A finished run leaves ``result.json`` and is not redone; an unfinished one continues
 from its last training checkpoint. ``OUT/report.md`` (``--report`` elsewhere) gets: mean +- std over seeds,
 paired differences to Pre-Norm, diverged runs (non-finite loss, or a loss that ends above its first logged
 value) and the step it happened, loss curves, the diagnostic plots, and a check of the paper's four claims.
@@ -166,7 +166,7 @@ def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
 
 
 def diagnose_deit(run_dir: Path, opts) -> dict:
-    from common.diagnostics import diagnose_deit_run
+    from scripts.diagnose import diagnose_deit_run
 
     return diagnose_deit_run(run_dir, max_images=opts.diag_images, batch_size=min(250, opts.diag_images or 250))
 

@@ -132,7 +132,7 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
 
 @pytest.mark.fashion_mnist
 def test_diagnostics_command_on_finished_runs_matches_the_comparison(finished, tmp_path):
-    from common.diagnostics import main as diagnostics_main
+    from scripts.diagnose import main as diagnostics_main
 
     out, _ = finished
     runs = [str(out / "runs" / f"{t}_d2_lr0.001_s0") for t in ("pre", "siamese")]

@@ -1,6 +1,9 @@
-"""The one training loop (common/trainer.py), through both trainers: reruns, resume decisions, bad input, the lock.
+"""Faults and bad input, through both trainers (the one loop, common/trainer.py): kill -9 at chosen moments (a
+checkpoint write, a step, the final outputs), reruns of finished runs, changed settings on resume, NaN storms (in
+test_vision_train / test_diffusion_train), damaged files, a second run in the same directory, bad settings.
 
-Tiny models on a few Fashion-MNIST images, one thread; each case is a handful of optimizer steps.
+Tiny models on a few Fashion-MNIST images, one thread; each case is a handful of optimizer steps. The many-random-
+kill-points version is ``python -m scripts.fault_suite``.
 """
 import json
 import os
@@ -218,3 +221,36 @@ def test_metrics_after_a_kill_are_cut_back_to_the_checkpoint(tmp_path):
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
     assert steps == list(range(1, 31))
     assert json.loads((tmp_path / "final_metrics.json").read_text())["steps"] == 30
+
+
+# ------------------------------------------------------------------------------------- kill -9 at chosen moments
+KILL_RUNS = {"deit": ("vision.train", "fmnist_deit_siamese.yaml", [*DEIT, "train.ckpt_every=2", "train.ema_decay=0.5"]),
+             "dit": ("diffusion.train", "fmnist_dit_siamese.yaml", [*DIT, "train.ckpt_every=2", "optim.steps=6"])}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each family's run without faults, for bit-for-bit comparison."""
+    out = {}
+    for family, (module, recipe, overrides) in KILL_RUNS.items():
+        out[family] = tmp_path_factory.mktemp(family)
+        main = deit_train.main if family == "deit" else dit_train.main
+        main(["--config", str(ROOT / "configs" / recipe), *overrides, f"train.output_dir={out[family]}"])
+    return out
+
+
+@pytest.mark.parametrize("family, point, nth", [("deit", "ckpt_write", 2), ("deit", "step", 3), ("deit", "final", 1),
+                                                ("dit", "ckpt_done", 1), ("dit", "weights", 2), ("dit", "step", 4)])
+def test_killed_at_a_chosen_moment_resumes_bit_identically(uninterrupted, tmp_path, family, point, nth):
+    module, recipe, overrides = KILL_RUNS[family]
+    args = ["--config", str(ROOT / "configs" / recipe), *overrides, f"train.output_dir={tmp_path}"]
+    killed = subprocess.run([sys.executable, "-m", "tests.faults", point, str(nth), "--", "-m", module, *args], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (deit_train.main if family == "deit" else dit_train.main)(args)  # the same command again
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = load_file(uninterrupted[family] / name), load_file(tmp_path / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), (name, point)
+    steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == json.loads((tmp_path / "final_metrics.json").read_text())["steps"]

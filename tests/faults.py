@@ -1,0 +1,106 @@
+"""Fault injection for the trainers: run a trainer in a subprocess that SIGKILLs itself at a chosen moment.
+
+    python -m tests.faults POINT NTH -- -m vision.train --config ... key=value ...
+
+``POINT`` names where the process dies, ``NTH`` at which occurrence (1 = the first):
+
+* ``ckpt_write``  -- inside a checkpoint write, after half of the temporary file is on disk;
+* ``ckpt_done``   -- right after a checkpoint file got its final name (before retention and ema.safetensors);
+* ``weights``     -- inside a ``save_weights`` (ema.safetensors at a checkpoint, or the final weights);
+* ``step``        -- in the middle of an optimizer step (after the backward pass, before the update);
+* ``final``       -- after the final checkpoint, before the final outputs.
+
+The trainer's own code runs unchanged; only these library-level seams are wrapped. Used by tests/test_faults.py
+and by scripts/fault_suite.py (many random kill points).
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+
+POINTS = ("ckpt_write", "ckpt_done", "weights", "step", "final")
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(point: str, nth: int) -> None:
+    from common import checkpoint, train_state, trainer
+
+    seen = [0]
+
+    def hit() -> bool:
+        seen[0] += 1
+        return seen[0] == nth
+
+    if point == "ckpt_write":
+        original_save = train_state.torch.save
+
+        def torn_save(obj, f, *args, **kwargs):
+            if hit():
+                import io
+
+                buffer = io.BytesIO()
+                original_save(obj, buffer, *args, **kwargs)
+                f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                die()
+            return original_save(obj, f, *args, **kwargs)
+
+        train_state.torch.save = torn_save
+    elif point == "ckpt_done":
+        original = train_state.CheckpointManager.prune
+
+        def prune(self):
+            if hit():
+                die()
+            return original(self)
+
+        train_state.CheckpointManager.prune = prune
+    elif point == "weights":
+        original_weights = checkpoint.save_weights
+
+        def save_weights(*args, **kwargs):
+            if hit():
+                die()
+            return original_weights(*args, **kwargs)
+
+        checkpoint.save_weights = trainer.save_weights = save_weights
+    elif point == "step":
+        original_step = trainer.Trainer.train_step
+
+        def train_step(self, batches):
+            if hit():
+                original_backward = self.accelerator.backward
+
+                def backward_then_die(loss, **kwargs):
+                    original_backward(loss, **kwargs)
+                    die()
+
+                self.accelerator.backward = backward_then_die
+            return original_step(self, batches)
+
+        trainer.Trainer.train_step = train_step
+    elif point == "final":
+        original_finish = trainer.Trainer._finish
+
+        def finish(self):
+            if hit():
+                die()
+            return original_finish(self)
+
+        trainer.Trainer._finish = finish
+    else:
+        raise SystemExit(f"unknown fault point {point!r}; choose one of {', '.join(POINTS)}")
+
+
+if __name__ == "__main__":
+    point, nth, separator, flag, module, *args = sys.argv[1:]
+    assert separator == "--" and flag == "-m", "usage: python -m tests.faults POINT NTH -- -m MODULE ARGS..."
+    install(point, int(nth))
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
