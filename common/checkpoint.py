@@ -68,6 +68,10 @@ def unwrap_state_dict(obj, key: Optional[str] = None) -> dict:
     if key is not None:
         if key not in obj:
             raise CheckpointError(f"checkpoint has no entry {key!r}; its top-level keys are: {_format_keys(sorted(obj))}")
+        if not isinstance(obj[key], Mapping):
+            raise CheckpointError(f"checkpoint entry {key!r} holds no weights (it is {obj[key]!r}); "
+                                  + ("the run was trained without an EMA (train.ema_decay): evaluate weights=model"
+                                     if key == "ema" else "pick another entry"))
         obj = obj[key]
     elif not all(isinstance(v, torch.Tensor) for v in obj.values()):
         for k in WRAPPER_KEYS:

@@ -1,7 +1,7 @@
 """Compare residual topologies (Pre-Norm, Post-Norm, SiameseNorm, ...) over learning rates, depths and seeds.
 
-    python -m scripts.compare --task deit --quick                       # 18 short runs, ~10-20 min on 2 CPU cores
-    python -m scripts.compare --task deit                               # the full CPU preset: 36 runs, ~80 min
+    python -m scripts.compare --task deit --quick                       # 18 short runs, ~22 min on 2 CPU cores
+    python -m scripts.compare --task deit                               # the full CPU preset: 36 runs, ~95 min
     python -m scripts.compare --task deit --data /data/my_imagefolder --topologies pre siamese --lrs 1e-3 --seeds 0 1
     python -m scripts.compare --task dit --quick --feature-weights ~/.cache/siamesenorm/fmnist_cnn.safetensors
 
@@ -454,7 +454,8 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
     summary = summarize(results, metric)
     lines = [f"# {task.upper()} topology comparison", ""]
     if command:
-        lines += ["Regenerate (finished runs are reused):", "", f"    {command}", ""]
+        lines += ["Regenerate (finished runs under the same --out are reused; elsewhere, e.g. on a fresh clone, every run "
+                  "is trained again):", "", f"    {command}", ""]
     lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
               + f". {label}: mean ± std over seeds that did not diverge ({'higher' if higher else 'lower'} is better); "
               "`n` = seeds counted / runs.", ""]
@@ -516,7 +517,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.compare", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=list(TASKS), default="deit", help="deit: classification Top-1; dit: generation FID")
-    p.add_argument("--quick", action="store_true", help="the ~15-minute 2-core preset (default: the full CPU preset)")
+    p.add_argument("--quick", action="store_true", help="the short 2-core preset (~22 min for DeiT; default: the full CPU preset)")
     p.add_argument("--data", default="fashion_mnist", help="fashion_mnist (default) or an ImageFolder root with train/ and val/")
     p.add_argument("--image-size", type=int, default=32, help="ImageFolder data: resize/crop size (patch = size/4)")
     p.add_argument("--topologies", nargs="+", help="e.g. pre post siamese mixln residual sandwich deepnorm layerscale dyt")
@@ -562,12 +563,26 @@ def parse_args(argv=None):
         p.error(f"--notes {args.notes}: no such file")
     if any(lr <= 0 for lr in args.lrs) or any(d < 1 for d in args.depths):
         p.error("--lrs must be positive and --depths at least 1")
+    if args.task == "dit":  # the Frechet distance needs the classifier: say so now, not after the first training
+        from common.feature_extractors import FeatureExtractorError, resolve_weights
+
+        try:
+            resolve_weights("fmnist-cnn", args.feature_weights)
+        except FeatureExtractorError as err:
+            p.error(str(err))
     return args
 
 
 def main(argv=None) -> Path:
+    from common.cli import one_line_errors
+
     argv = sys.argv[1:] if argv is None else argv
     opts = parse_args(argv)
+    with one_line_errors():  # e.g. a data folder smaller than one batch: one line, not a traceback
+        return _compare(opts, argv)
+
+
+def _compare(opts, argv) -> Path:
     import vision  # noqa: F401  (registers the DeiT topologies with timm)
 
     runs_dir = opts.out / "runs"

@@ -7,7 +7,8 @@ Examples::
         checkpoint=runs/deit_tiny_siamese/model.safetensors
 
     # the pipeline sanity check: timm's public DeiT-T weights give 72.2 Top-1 on ImageNet val
-    python -m vision.evaluate model.name=deit_tiny_patch16_224 model.pretrained=true data.path=/data/imagenet
+    python -m vision.evaluate model.name=deit_tiny_patch16_224 model.pretrained=true \\
+        data.dataset=imagefolder data.num_classes=1000 data.path=/data/imagenet
 
     # several GPUs (the val set is sharded, results gathered exactly once per image)
     accelerate launch -m vision.evaluate --config ... checkpoint=...
