@@ -1,6 +1,6 @@
-"""An independent, functional re-statement of METHOD.md sections 1-2 for the tests.
+"""An independent, functional re-statement of docs/method.md sections 1-2 for the tests.
 
-Plain tensor ops over a state dict in the *public SiameseNorm DeiT layout* (METHOD.md section 2):
+Plain tensor ops over a state dict in the *public SiameseNorm DeiT layout* (docs/method.md section 2):
 per block ``pre_norm{i}, post_norm{i}, input_norm{i}, attn.{qkv,proj}, mlp.{fc1,fc2}``; top level
 ``cls_token, pos_embed, patch_embed.proj, pre_norm`` (applied to X), ``post_norm`` (applied to Y),
 ``final_norm, head``. Nothing here imports the project's model code.
@@ -62,7 +62,7 @@ def siamese_deit_forward(sd, images, *, depth, num_heads, patch_size, normalized
 
 
 def public_siamese_deit_names(depth, normalized_input=True):
-    """Parameter names of the public SiameseNorm DeiT file (METHOD.md section 2), without shapes."""
+    """Parameter names of the public SiameseNorm DeiT file (docs/method.md section 2), without shapes."""
     names = ["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"]
     for l in range(depth):
         for i in (1, 2):

@@ -1,4 +1,4 @@
-"""DeiT on the shared residual block: equality with timm, with the METHOD.md re-statement, and its invariants."""
+"""DeiT on the shared residual block: equality with timm, with the docs/method.md re-statement, and its invariants."""
 import math
 
 import pytest

@@ -132,7 +132,7 @@ def test_pre_norm_equals_diffusers_dit(inputs):
 
 
 def reference_forward(sd, x, t, y, topologies, num_heads, patch_size):
-    """METHOD.md section 3 restated with plain tensor ops on a state dict (our key names)."""
+    """docs/method.md section 3 restated with plain tensor ops on a state dict (our key names)."""
     dim = sd["pos_embed"].shape[-1]
 
     def lin(h, name):
@@ -298,7 +298,7 @@ def test_cfg_rejects_bad_arguments(inputs):
 
 
 def official_dit_state_dict(depth=3, dim=64, patch_size=2, in_channels=4, input_size=8, num_classes=10, seed=5):
-    """A state dict with the official facebookresearch/DiT key names and shapes (METHOD.md section 3)."""
+    """A state dict with the official facebookresearch/DiT key names and shapes (docs/method.md section 3)."""
     gen = torch.Generator().manual_seed(seed)
     out_channels = 2 * in_channels
     shapes = {

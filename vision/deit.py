@@ -212,7 +212,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
 
 
 # Public SiameseNorm DeiT file -> ours. Its top-level `pre_norm` is applied to X and `post_norm` to Y
-# (METHOD.md section 2), so they map to our `norm.norm_x` / `norm.norm_y` respectively.
+# (docs/models.md, "Weights in and out"), so they map to our `norm.norm_x` / `norm.norm_y` respectively.
 _PUBLIC_SIAMESE_DEIT_TOP = {"pre_norm.": "norm.norm_x.", "post_norm.": "norm.norm_y.", "final_norm.": "norm.norm_out."}
 
 
