@@ -90,7 +90,7 @@ def demo_dit(out_dir: Path, args) -> tuple:
         wall = time.perf_counter() - start
         records = read_metrics(run_dir)
         curves[f"DiT {topology}"] = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-        speeds = [r["train/images_per_s_per_process"] for r in records if "train/images_per_s_per_process" in r]
+        speeds = [r["train/images_per_s"] for r in records if "train/images_per_s" in r]
         checkpoint = run_dir / "ema.safetensors"
         sample.main(["--checkpoint", str(checkpoint), "--grid", str(out_dir / f"dit_{topology}_grid.png"),
                      "--labels", ",".join(str(i % 10) for i in range(30)), "--nrow", "10",
