@@ -157,7 +157,7 @@ def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_
 def extract(args) -> dict:
     from accelerate import Accelerator
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
     vae = load_vae(args.vae, allow_download=args.allow_download).to(accelerator.device).eval()
     files = ImageFiles(args.data_path, args.image_size)

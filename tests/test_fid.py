@@ -6,19 +6,18 @@ and the file is loaded through the same option a user passes. FID on the 64-d fi
 Inception forward and the matrix square roots cheap on CPU; the code path is the same as for layer 2048.
 """
 import json
-import math
 import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch_fidelity
-import torchvision
 from PIL import Image
 
 from common.feature_extractors import INCEPTION_WEIGHTS_FILE
 from common.metrics import FeatureStatistics, read_sampling_protocol
 from diffusion import fid as fid_cli
+from tests.rehearsal import write_random_inception
 
 LAYER = "64"
 # A handful of images for 64-d features: singular covariances are expected here (and warned about).
@@ -29,15 +28,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWa
 @pytest.fixture(scope="module")
 def inception_weights(tmp_path_factory):
     """torch-fidelity's Inception-v3 layout with seeded random weights, as a .pth file."""
-    torch.manual_seed(0)
-    model = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Conv2d):  # He init keeps activations O(1) through eval-mode BatchNorm
-            fan_in = module.weight[0].numel()
-            torch.nn.init.normal_(module.weight, std=math.sqrt(2.0 / fan_in))
-    path = tmp_path_factory.mktemp("inception") / INCEPTION_WEIGHTS_FILE
-    torch.save(model.state_dict(), path)
-    return path
+    return write_random_inception(tmp_path_factory.mktemp("inception") / INCEPTION_WEIGHTS_FILE)
 
 
 def write_folder(path, seed, n=6, size=32, smooth=False):
