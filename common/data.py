@@ -18,7 +18,14 @@ Sampling::
 dataset's ``__getitem__`` (and so its random augmentations) under that seed. Augmentations then depend
 only on ``(seed, epoch, position in the epoch)``: not on the number of workers, the number of processes
 or whether the run was resumed mid-epoch. That is what makes kill-and-resume and 1-vs-N-process runs
-reproduce the same batches.
+reproduce the same batches. The loader's workers persist across epochs.
+
+Feeding the device::
+
+    for batch in DevicePrefetcher(loader, device, transform=batch_transform): ...
+
+:class:`DevicePrefetcher` copies each batch to the device one batch ahead (a side CUDA stream) and runs an
+optional batch transform there, e.g. :class:`vision.data.NormalizeErase` on uint8 images.
 """
 from __future__ import annotations
 

@@ -255,8 +255,8 @@ def load_rgb(path) -> Image.Image:
 def load_rgb_tensor(path) -> torch.Tensor:
     """An image file as uint8 RGB ``(3, H, W)`` (channels-last memory), for the ``use_prefetcher`` transform.
 
-    Decoded by torchvision.io (libjpeg-turbo, libpng, libwebp straight into the tensor: about 25% cheaper than
-    Pillow's decode plus its RGBX -> RGB repacking); the pixels equal Pillow's ``convert("RGB")`` for JPEG
+    Decoded by torchvision.io (libjpeg-turbo, libpng, libwebp straight into the tensor, without Pillow's
+    RGBX -> RGB repacking; ``python -m scripts.bench_data --breakdown`` times both); the pixels equal Pillow's ``convert("RGB")`` for JPEG
     (YCbCr, grayscale, CMYK), PNG (8-bit, palette, alpha) and WebP (tested). Files it does not decode as one
     8-bit image (BMP, TIFF, 16-bit PNG, animations), and every file once torchvision drops these decoders
     (deprecated in 0.29 in favour of TorchCodec), go through :func:`load_rgb`; broken files raise Pillow's
@@ -303,7 +303,7 @@ class RandomResizedCropTensor(RandomResizedCropAndInterpolation):
         mode = random.choice(self.interpolation) if isinstance(self.interpolation, (tuple, list)) else self.interpolation
         if height == 0 or width == 0:  # timm's draw on an image of < 5 pixels can be empty; Pillow resizes it to black
             return Image.new("RGB", self.size[::-1])
-        # channels-last in and out: torch's uint8 kernel works in that layout, and PIL takes it without a copy
+        # channels-last in and out: torch's uint8 kernel works in that layout, and its output is PIL's HWC layout
         box = image[None, :, top: top + height, left: left + width].contiguous(memory_format=torch.channels_last)
         out = TF.resize(box, list(self.size), interpolation=mode, antialias=True)
         return Image.fromarray(out[0].permute(1, 2, 0).numpy())
