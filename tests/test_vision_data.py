@@ -421,3 +421,25 @@ def test_hashed_normal_is_standard_normal_and_addressable():
     other = hashed_normal(seeds, 1, torch.arange(5000).view(5, 1000)).flatten()
     assert abs(torch.corrcoef(torch.stack([z.flatten(), other]))[0, 1]) < 0.01
     assert abs(torch.corrcoef(torch.stack([z[0].flatten(), z[1].flatten()]))[0, 1]) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+def test_recipe_mixup_cutmix_and_eval_resize_on_odd_sizes(odd_folder, mode):
+    """The rest of the recipe's augmentations at the edges: timm's mixup/cutmix (numpy 2) on images down to 1x1,
+    and the bicubic evaluation resize + center crop on every odd file."""
+    _, augment = recipe()
+    augment.mixup_mode = mode
+    mixup = build_mixup(augment, num_classes=5)
+    np.random.seed(0)
+    for size in (1, 2, 3, 12):
+        for _ in range(20):  # both branches (switch prob 0.5), many lambdas
+            images, targets = mixup(torch.randn(4, 3, size, size), torch.tensor([0, 1, 2, 4]))
+            assert images.shape == (4, 3, size, size) and torch.isfinite(images).all()
+            assert torch.allclose(targets.sum(1), torch.ones(4)) and targets.min() > 0
+    data, _ = recipe(odd_folder, input_size=12)
+    dataset = build_dataset(data, "val", build_transform(data, training=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(len(dataset)):
+            image, _ = dataset[i]
+            assert image.shape == (3, 12, 12) and torch.isfinite(image).all()

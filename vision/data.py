@@ -387,12 +387,13 @@ class NormalizeErase:
             return self._erase_boxes(x, boxes)
         return self._erase_masked(x, boxes)
 
-    def _noise_index(self, c: int, h: int, w: int, rows=slice(None), cols=slice(None)) -> torch.Tensor:
+    def _noise_index(self, c: int, h: int, w: int, rows=slice(None), cols=slice(None), device=None) -> torch.Tensor:
         """Element numbers ``channel * h * w + row * w + col`` of the pixels to fill (one per channel for 'rand')."""
-        channel = torch.arange(c).view(c, 1, 1)
+        channel = torch.arange(c, device=device).view(c, 1, 1)
         if self.mode == "rand":
             return channel
-        return channel * (h * w) + torch.arange(h)[rows].view(1, -1, 1) * w + torch.arange(w)[cols].view(1, 1, -1)
+        rows = torch.arange(h, device=device)[rows].view(1, -1, 1)
+        return channel * (h * w) + rows * w + torch.arange(w, device=device)[cols].view(1, 1, -1)
 
     def _erase_boxes(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
         c, h, w = x.shape[1:]
@@ -412,7 +413,7 @@ class NormalizeErase:
         b, c, h, w = x.shape
         rows = torch.arange(h, device=x.device).view(1, h, 1)
         cols = torch.arange(w, device=x.device).view(1, 1, w)
-        index = self._noise_index(c, h, w).to(x.device)
+        index = self._noise_index(c, h, w, device=x.device)
         step = max(1, self.chunk_elements // index.numel())
         for k in range(boxes.shape[1]):
             top, left, height, width, seed = (v.view(b, 1, 1) for v in boxes[:, k].unbind(1))
