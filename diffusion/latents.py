@@ -90,13 +90,31 @@ def encode_moments(vae, images: torch.Tensor):
     return stack(dist.mean), stack(dist.logvar)
 
 
+def latent_from_moments(mean: torch.Tensor, logvar: torch.Tensor, noise: torch.Tensor, scale: float) -> torch.Tensor:
+    """A draw from the posterior, scaled: ``scale * (mean + exp(logvar / 2) * noise)``."""
+    return scale * (mean + torch.exp(0.5 * logvar) * noise)
+
+
 def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor, noise: torch.Tensor, scale: float):
     """A fresh scaled latent per sample: view ``flip`` (bool, B) of the stored moments (B, 2, C, h, w),
     ``scale * (mean + exp(logvar / 2) * noise)``."""
     rows = torch.arange(mean.shape[0], device=mean.device)
     view = flip.long().to(mean.device)
-    m, lv = mean[rows, view].float(), logvar[rows, view].float()
-    return scale * (m + torch.exp(0.5 * lv) * noise)
+    return latent_from_moments(mean[rows, view].float(), logvar[rows, view].float(), noise, scale)
+
+
+def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True):
+    """A fresh training latent of image ``i`` and its label: ``(latent (C, h, w), label)``.
+
+    Draws the flip (view 1, the mirror, with probability 1/2 when ``hflip``), reads only that view's moments
+    (:meth:`LatentDataset.read_view`, half the bytes), then draws the noise: the same torch draws in the same
+    order as reading both views and choosing one (``moments[i]`` + :func:`sample_latents`), so a given
+    seed gives the same latent either way.
+    """
+    flip = bool(torch.rand(1) < 0.5) if hflip else False
+    mean, logvar, label = moments.read_view(i, int(flip))
+    noise = torch.randn(mean.shape)
+    return latent_from_moments(mean, logvar, noise, moments.scaling_factor), label
 
 
 # ------------------------------------------------------------------------------------------- shards
@@ -159,14 +177,26 @@ class LatentDataset(Dataset):
             self._handles[shard] = safe_open(str(self.files[shard]), framework="pt")
         return self._handles[shard]
 
-    def __getitem__(self, i: int):
+    def _locate(self, i: int):
         if not 0 <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} latents")
         shard = bisect_right(self.offsets, i) - 1
-        row = i - self.offsets[shard]
-        h = self._handle(shard)
+        return self._handle(shard), i - self.offsets[shard]
+
+    def __getitem__(self, i: int):
+        h, row = self._locate(i)
         mean = h.get_slice("mean")[row : row + 1][0].float()
         logvar = h.get_slice("logvar")[row : row + 1][0].float()
+        return mean, logvar, int(self.labels[i])
+
+    def read_view(self, i: int, view: int):
+        """``(mean, logvar, label)`` of one view only (0: the image, 1: its mirror), each (C, h, w) float32;
+        reads half the bytes of ``self[i]``."""
+        if view not in (0, 1):
+            raise ValueError(f"view {view}; 0 is the image, 1 its mirror")
+        h, row = self._locate(i)
+        mean = h.get_slice("mean")[row : row + 1, view : view + 1][0, 0].float()
+        logvar = h.get_slice("logvar")[row : row + 1, view : view + 1][0, 0].float()
         return mean, logvar, int(self.labels[i])
 
 

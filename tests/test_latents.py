@@ -153,3 +153,39 @@ def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tm
             f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=10", "train.sample_every=0",
             f"train.output_dir={tmp_path / 'bad'}"]))
     assert not (tmp_path / "bad").exists(), "nothing is written for a config that does not fit the data"
+
+
+def test_one_view_read_equals_the_two_view_read(setup, tmp_path):
+    """draw_latent reads only the drawn view and gives, seed for seed, the latent of reading both views and
+    choosing (LatentImages in diffusion.train, sample_latents)."""
+    from common.data import seeded_rng
+    from diffusion.latents import draw_latent
+    from diffusion.train import LatentImages
+
+    run(setup, tmp_path / "lat")
+    two_views = LatentImages(str(tmp_path / "lat"))
+    ds = two_views.moments
+    for i in range(len(ds)):
+        mean, logvar, label = ds[i]
+        for view in (0, 1):
+            m, lv, lab = ds.read_view(i, view)
+            assert torch.equal(m, mean[view]) and torch.equal(lv, logvar[view]) and lab == label
+    flips = set()
+    for seed in range(16):
+        i = seed % len(ds)
+        with seeded_rng(seed):
+            want, want_label = two_views[i]
+        with seeded_rng(seed):
+            got, label = draw_latent(ds, i)
+        with seeded_rng(seed):
+            flips.add(bool(torch.rand(1) < 0.5))
+        assert torch.equal(got, want) and label == want_label
+    assert flips == {False, True}  # both views were read
+    with seeded_rng(0):
+        unflipped, _ = draw_latent(ds, 0, hflip=False)
+    with seeded_rng(0):
+        noise = torch.randn(4, 16, 16)
+    mean, logvar, _ = ds[0]
+    torch.testing.assert_close(unflipped, ds.scaling_factor * (mean[0] + torch.exp(0.5 * logvar[0]) * noise))
+    with pytest.raises(ValueError, match="view 2"):
+        ds.read_view(0, 2)

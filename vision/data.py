@@ -7,24 +7,39 @@
 * :class:`ReadableImageFolder`: an unreadable image is replaced by the next readable one, with a warning
   naming the file; ``skipped_images(dataset)`` counts them across DataLoader workers.
 * :func:`build_transform`: timm's ``create_transform`` (RandAugment, random-resized crop, random erasing;
-  eval: resize ``input_size / crop_pct`` + center crop).
+  eval: resize ``input_size / crop_pct`` + center crop). ``use_prefetcher=True`` splits the training transform
+  in two: the worker half ends in uint8 images plus the random-erasing boxes it drew, and
+  :class:`NormalizeErase` (the batch half) normalises and erases on the device, behind
+  :class:`common.data.DevicePrefetcher`; its images are read by :func:`load_rgb_tensor`::
+
+      train_set = build_dataset(data, "train", build_transform(data, augment, True, use_prefetcher=True),
+                                loader=load_rgb_tensor)
+      feed = DevicePrefetcher(build_train_loader(train_set, ...), device, NormalizeErase(data, augment))
+
 * :func:`build_mixup`: timm's ``Mixup`` (mixup/cutmix with label smoothing -> soft targets) or None.
 * :func:`build_eval_loader` (the training loader is :func:`common.data.build_train_loader`).
 """
 from __future__ import annotations
 
 import multiprocessing
+import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Tuple
+from typing import Callable, Literal, Optional, Tuple
 
+import numpy as np
 import torch
+import torchvision
+import torchvision.transforms.v2.functional as TF
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_augment, create_transform
+from timm.data.random_erasing import RandomErasing
+from timm.data.transforms import RandomResizedCropAndInterpolation
 
-from common.data import FashionMNIST
+from common.data import FashionMNIST, add_note
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -44,6 +59,7 @@ class DataConfig:
     mean: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_MEAN)
     std: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_STD)
     num_workers: int = 8
+    backend: Literal["torch", "dali"] = "torch"  # dali: GPU decode and augmentation (vision.dali, pip extra [dali])
     max_train_samples: Optional[int] = None  # keep the first N training images (quick runs, tests)
     max_val_samples: Optional[int] = None
 
@@ -84,13 +100,17 @@ def _skip_counter():
 class ReadableImageFolder(ImageFolder):
     """``torchvision.datasets.ImageFolder`` that survives unreadable files.
 
-    A file PIL cannot decode is skipped: a warning names it, ``skipped`` (shared across workers) counts
+    A file that cannot be decoded is skipped: a warning names it, ``skipped`` (shared across workers) counts
     it, and the next readable image of the folder list is returned instead, so batch shapes, and hence
-    DDP, stay intact.
+    DDP, stay intact. Only reading is guarded: an error of the transform is a bug, so it propagates (and
+    names the file).
+
+    ``loader``: path -> image, by default :func:`load_rgb` (RGB PIL image); :func:`load_rgb_tensor` (uint8
+    tensor) for the ``use_prefetcher`` transform.
     """
 
-    def __init__(self, root, transform=None, limit: Optional[int] = None):
-        super().__init__(root, transform=transform)
+    def __init__(self, root, transform=None, limit: Optional[int] = None, loader: Callable = None):
+        super().__init__(root, transform=transform, loader=loader or load_rgb)
         if limit is not None:
             self.samples = self.samples[:limit]
             self.targets = self.targets[:limit]
@@ -109,7 +129,11 @@ class ReadableImageFolder(ImageFolder):
                 warnings.warn(f"skipping unreadable image {path} ({type(err).__name__}: {err})")
                 continue
             if self.transform is not None:
-                image = self.transform(image)
+                try:
+                    image = self.transform(image)
+                except Exception as err:
+                    add_note(err, f"while transforming {path}")
+                    raise
             return image, target
         raise RuntimeError(f"no readable image among 100 files starting at {self.samples[index][0]}; "
                            "check the dataset files")
@@ -142,8 +166,11 @@ def _check_image_folder(root: Path, split: str) -> Path:
     return folder
 
 
-def build_dataset(cfg: DataConfig, split: str, transform=None) -> Dataset:
-    """The ``train`` or ``val`` split (named by ``cfg.train_split`` / ``cfg.val_split`` on disk)."""
+def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[Callable] = None) -> Dataset:
+    """The ``train`` or ``val`` split (named by ``cfg.train_split`` / ``cfg.val_split`` on disk).
+
+    ``loader`` reads an image file (imagefolder only); the default is :func:`load_rgb`.
+    """
     if split not in ("train", "val"):
         raise ValueError(f"split {split!r}; use 'train' or 'val'")
     limit = cfg.max_train_samples if split == "train" else cfg.max_val_samples
@@ -153,7 +180,7 @@ def build_dataset(cfg: DataConfig, split: str, transform=None) -> Dataset:
         n_classes = len(FashionMNIST.classes)
     else:
         folder = _check_image_folder(Path(cfg.path), cfg.train_split if split == "train" else cfg.val_split)
-        dataset = ReadableImageFolder(folder, transform=transform, limit=limit)
+        dataset = ReadableImageFolder(folder, transform=transform, limit=limit, loader=loader)
         n_classes = len(dataset.classes)
     if n_classes != cfg.num_classes:
         raise ValueError(f"the {split} set has {n_classes} classes but data.num_classes={cfg.num_classes}; "
@@ -163,16 +190,264 @@ def build_dataset(cfg: DataConfig, split: str, transform=None) -> Dataset:
 
 # ----------------------------------------------------------------------------- transforms and mixing
 
-def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, training: bool = False):
-    """timm transforms: the training pipeline of ``augment``, or resize + center crop for evaluation."""
+def posterize_keeping_bits(image: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """timm's posterize op, with "keep 0 bits" doing what it says (every channel 0) instead of raising.
+
+    timm's RandAugment maps magnitude 10 of ``PosterizeIncreasing`` (reached by ``rand-m9-mstd0.5-inc1``
+    whenever the magnitude noise exceeds +1, clipped to 10) and magnitudes < 2.5 of ``Posterize`` to 0 bits.
+    Pillow <= 12 masked every value with 0 then, a black image: the augmentation the DeiT recipe was tuned
+    with. Pillow 13 raises ``ValueError`` instead, which killed training runs from a DataLoader worker.
+    """
+    if bits_to_keep <= 0:
+        return image.point(lambda _: 0)
+    return auto_augment.posterize(image, bits_to_keep)
+
+
+def _keep_posterize_defined(transform) -> None:
+    """Swap timm's posterize for :func:`posterize_keeping_bits` in every RandAugment/AutoAugment/AugMix op of
+    ``transform``; op choice, magnitudes and every other op stay timm's own."""
+    for stage in getattr(transform, "transforms", [transform]):
+        ops = list(getattr(stage, "ops", [])) + [op for sub in getattr(stage, "policy", []) for op in sub]
+        for op in ops:
+            if isinstance(op, auto_augment.AugmentOp) and op.aug_fn is auto_augment.posterize:
+                op.aug_fn = posterize_keeping_bits
+
+
+def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, training: bool = False,
+                    use_prefetcher: bool = False):
+    """timm transforms: the training pipeline of ``augment``, or resize + center crop for evaluation.
+
+    ``use_prefetcher=True`` (training only) returns the worker half of the same pipeline: timm's crop draws
+    resampled by torch's uint8 kernel (:class:`RandomResizedCropTensor`), flip and RandAugment as timm
+    builds them, then ``(uint8 image (3, H, W), erasing boxes)`` (:class:`RandomErasingBoxes`); finish the
+    batch with :class:`NormalizeErase` on the device.
+    """
     common = dict(input_size=data.input_size, interpolation=data.interpolation, mean=data.mean, std=data.std)
     if not training:
+        if use_prefetcher:
+            raise ValueError("use_prefetcher=True splits the training transform; evaluation uses the plain one")
         return create_transform(is_training=False, crop_pct=data.crop_pct, **common)
     a = augment or AugmentConfig()
-    return create_transform(
+    transform = create_transform(
         is_training=True, scale=a.scale, hflip=a.hflip, color_jitter=a.color_jitter or None,
-        auto_augment=a.auto_augment, re_prob=a.re_prob, re_mode=a.re_mode, re_count=a.re_count, **common,
+        auto_augment=a.auto_augment, re_prob=a.re_prob, re_mode=a.re_mode, re_count=a.re_count,
+        use_prefetcher=use_prefetcher, **common,
     )
+    _keep_posterize_defined(transform)
+    if use_prefetcher:
+        stages = [RandomResizedCropTensor.like(t) if type(t) is RandomResizedCropAndInterpolation else t
+                  for t in transform.transforms]
+        transform.transforms = stages + [RandomErasingBoxes(a.re_prob, a.re_mode, a.re_count)]
+    return transform
+
+
+# ----------------------------------------------------------------------------- the prefetcher split
+
+def load_rgb(path) -> Image.Image:
+    """An image file as a decoded RGB PIL image: torchvision's PIL loader without its extra copy of images that
+    are RGB already (``convert("RGB")`` copies them); the same pixels."""
+    with open(path, "rb") as f:
+        image = Image.open(f)
+        image.load()
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def load_rgb_tensor(path) -> torch.Tensor:
+    """An image file as uint8 RGB ``(3, H, W)`` (channels-last memory), for the ``use_prefetcher`` transform.
+
+    Decoded by torchvision.io (libjpeg-turbo, libpng, libwebp straight into the tensor, without Pillow's
+    RGBX -> RGB repacking; ``python -m scripts.bench_data --breakdown`` times both); the pixels equal Pillow's ``convert("RGB")`` for JPEG
+    (YCbCr, grayscale, CMYK), PNG (8-bit, palette, alpha) and WebP (tested). Files it does not decode as one
+    8-bit image (BMP, TIFF, 16-bit PNG, animations), and every file once torchvision drops these decoders
+    (deprecated in 0.29 in favour of TorchCodec), go through :func:`load_rgb`; broken files raise Pillow's
+    error, so ReadableImageFolder skips them.
+    """
+    decode = getattr(getattr(torchvision, "io", None), "decode_image", None)
+    if decode is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                image = decode(torchvision.io.read_file(str(path)), mode=torchvision.io.ImageReadMode.RGB)
+            if image.dtype == torch.uint8 and image.ndim == 3:
+                return image
+        except RuntimeError:
+            pass
+    return rgb_view(load_rgb(path))
+
+
+def rgb_view(image: Image.Image) -> torch.Tensor:
+    """uint8 ``(3, H, W)`` tensor over the pixels of an RGB PIL image (channels-last memory, one copy)."""
+    with warnings.catch_warnings():  # numpy's view of PIL's bytes is read-only; nothing here writes to it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.asarray(image)).permute(2, 0, 1)
+
+
+class RandomResizedCropTensor(RandomResizedCropAndInterpolation):
+    """timm's random-resized crop, resampled by torch's antialiased uint8 kernel instead of Pillow's (about 3x
+    faster): timm's own crop draws (the same boxes for the same seed) and the same filter (Keys cubic,
+    a = -0.5, widened by the downscale factor). The pixels equal Pillow's but for about 1% (a few % in some
+    upsampling draws) that differ by one grey level and < 0.5% by more (the two round their intermediate pass
+    differently).
+    Takes a PIL image or a uint8 ``(3, H, W)`` tensor; returns a PIL RGB image for RandAugment."""
+
+    @classmethod
+    def like(cls, crop: RandomResizedCropAndInterpolation) -> "RandomResizedCropTensor":
+        tensor_crop = cls(crop.size, scale=crop.scale, ratio=crop.ratio)
+        tensor_crop.interpolation = crop.interpolation
+        return tensor_crop
+
+    def __call__(self, image) -> Image.Image:
+        if isinstance(image, Image.Image):
+            image = rgb_view(image if image.mode == "RGB" else image.convert("RGB"))
+        top, left, height, width = self.get_params(image, self.scale, self.ratio)
+        mode = random.choice(self.interpolation) if isinstance(self.interpolation, (tuple, list)) else self.interpolation
+        if height == 0 or width == 0:  # timm's draw on an image of < 5 pixels can be empty; Pillow resizes it to black
+            return Image.new("RGB", self.size[::-1])
+        # channels-last in and out: torch's uint8 kernel works in that layout, and its output is PIL's HWC layout
+        box = image[None, :, top: top + height, left: left + width].contiguous(memory_format=torch.channels_last)
+        out = TF.resize(box, list(self.size), interpolation=mode, antialias=True)
+        return Image.fromarray(out[0].permute(1, 2, 0).numpy())
+
+
+class _BoxRecorder:
+    """Stands in for an image tensor so that timm's RandomErasing reports the boxes it would erase."""
+
+    dtype = torch.float32
+
+    def __init__(self, height: int, width: int):
+        self.shape = (3, height, width)
+        self.boxes = []
+
+    def size(self):
+        return self.shape
+
+    def __setitem__(self, index, value):
+        rows, cols = index[1], index[2]
+        self.boxes.append((rows.start, cols.start, rows.stop - rows.start, cols.stop - cols.start))
+
+
+class RandomErasingBoxes:
+    """Worker half of random erasing: ``image -> (image, boxes)`` with ``boxes`` int64 ``(count, 5)`` rows
+    ``(top, left, height, width, noise_seed)``; height 0 means no box.
+
+    The decisions (whether, how many, where) are timm's ``RandomErasing`` draws themselves, from Python's
+    ``random`` as in the CPU pipeline, so they stay a function of the sample seed; the erased values are
+    drawn on the device by :class:`NormalizeErase` from ``noise_seed`` (one more draw after timm's).
+    """
+
+    def __init__(self, probability: float, mode: str = "pixel", count: int = 1):
+        self.count = count
+        # 'const' draws no fill values: same decisions as any mode, no torch RNG use, no work
+        self.erasing = RandomErasing(probability, mode="const", max_count=count, device="cpu") if probability > 0 else None
+
+    def __call__(self, image: torch.Tensor):
+        boxes = torch.zeros(self.count, 5, dtype=torch.int64)
+        if self.erasing is not None:
+            recorder = _BoxRecorder(*image.shape[-2:])
+            self.erasing(recorder)
+            if recorder.boxes:
+                boxes[: len(recorder.boxes), :4] = torch.tensor(recorder.boxes)
+                boxes[:, 4] = random.getrandbits(31)
+        return image, boxes
+
+
+class NormalizeErase:
+    """Batch half of the ``use_prefetcher`` split, on the batch's device:
+    ``((uint8 images (B, 3, H, W), boxes (B, count, 5)), targets) -> (float images, targets)``.
+
+    Normalisation is the same arithmetic as the CPU pipeline's ``ToTensor`` + ``Normalize``
+    (``x / 255``, ``- mean``, ``/ std``), so the unerased pixels are bit-identical. Inside each box the
+    values follow timm's modes: ``pixel`` N(0, 1) per pixel, ``rand`` N(0, 1) per channel, ``const`` 0,
+    drawn by :func:`hashed_normal` from the box's ``noise_seed``: a function of the sample seed, independent
+    of batch composition and device. On CUDA the boxes are applied as masks over the whole batch (no host
+    sync); on the CPU, where reading the boxes costs nothing, only the boxes' pixels are computed.
+    """
+
+    chunk_elements = 1 << 22  # CUDA: pixel noise is hashed for this many values at a time (bounded scratch)
+
+    def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
+        self.mean = torch.tensor(data.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(data.std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.mode = (augment or AugmentConfig()).re_mode.lower()
+        if self.mode not in ("pixel", "rand", "const"):
+            raise ValueError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
+        self._constants = {}
+
+    def __call__(self, batch):
+        (images, boxes), targets = batch
+        return self.images(images, boxes), targets
+
+    def images(self, images: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        device = images.device
+        if device not in self._constants:  # moved once, not per batch (a pageable copy can stall the host)
+            self._constants[device] = (self.mean.to(device), self.std.to(device))
+        mean, std = self._constants[device]
+        x = images.float().div(255).sub_(mean).div_(std)
+        if device.type == "cpu":
+            return self._erase_boxes(x, boxes)
+        return self._erase_masked(x, boxes)
+
+    def _noise_index(self, c: int, h: int, w: int, rows=slice(None), cols=slice(None), device=None) -> torch.Tensor:
+        """Element numbers ``channel * h * w + row * w + col`` of the pixels to fill (one per channel for 'rand')."""
+        channel = torch.arange(c, device=device).view(c, 1, 1)
+        if self.mode == "rand":
+            return channel
+        rows = torch.arange(h, device=device)[rows].view(1, -1, 1)
+        return channel * (h * w) + rows * w + torch.arange(w, device=device)[cols].view(1, 1, -1)
+
+    def _erase_boxes(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        c, h, w = x.shape[1:]
+        for i, sample in enumerate(boxes.tolist()):
+            for k, (top, left, height, width, seed) in enumerate(sample):
+                if height == 0:
+                    continue
+                rows, cols = slice(top, top + height), slice(left, left + width)
+                if self.mode == "const":
+                    x[i, :, rows, cols] = 0.0
+                else:
+                    index = self._noise_index(c, h, w, rows, cols)
+                    x[i, :, rows, cols] = hashed_normal(torch.tensor([seed]), k, index)[0]
+        return x
+
+    def _erase_masked(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        rows = torch.arange(h, device=x.device).view(1, h, 1)
+        cols = torch.arange(w, device=x.device).view(1, 1, w)
+        index = self._noise_index(c, h, w, device=x.device)
+        step = max(1, self.chunk_elements // index.numel())
+        for k in range(boxes.shape[1]):
+            top, left, height, width, seed = (v.view(b, 1, 1) for v in boxes[:, k].unbind(1))
+            inside = ((rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width))[:, None]
+            if self.mode == "const":
+                x = x.masked_fill(inside, 0.0)
+                continue
+            for i in range(0, b, step):
+                part = slice(i, i + step)
+                x[part] = torch.where(inside[part], hashed_normal(seed[part].view(-1), k, index), x[part])
+        return x
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, multiplier 0x45d9f3b) on int64 tensors holding uint32 values;
+    products stay below 2**59, so it is exact on every device."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """Standard normal values ``(len(seeds), *index.shape)``: value ``[i, ...]`` is a function of ``seeds[i]``,
+    ``stream`` and the element number in ``index`` alone (Box-Muller on hashed counters), so any subset of a
+    sample's elements can be computed alone. torch has no per-sample seeded batched RNG; this gives each
+    sample its own stream in one vectorised pass, the same on every device up to float rounding."""
+    key = _mix32((seeds.long() + 0x9E3779B9 * (stream + 1)) & _MASK32).view(-1, *([1] * index.dim()))
+    counter = 2 * index.to(seeds.device)[None]
+    u1 = ((_mix32((key + counter) & _MASK32) >> 8).float() + 0.5) / 2**24
+    u2 = ((_mix32((key + counter + 1) & _MASK32) >> 8).float() + 0.5) / 2**24
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
 
 
 def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
