@@ -34,7 +34,7 @@ import torch
 from common.checkpoint import bare_model, save_weights
 from common.cli import InputError
 from common.config import config_to_dict, flatten, save_config
-from common.data import ResumableSampler, build_train_loader
+from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
@@ -113,6 +113,13 @@ RESUMABLE_CHANGES = (
 )
 
 
+def default_feed(dataset, sampler: ResumableSampler, batch_size: int, num_workers: int, device,
+                 device_transform=None) -> DevicePrefetcher:
+    """Batches of per-sample seeded items from persistent workers, moved (and finished by ``device_transform``) on
+    the device one batch ahead. A task's ``build_feed`` returns this or its own (e.g. DALI) iterable of batches."""
+    return DevicePrefetcher(build_train_loader(dataset, sampler, batch_size, num_workers), device, device_transform)
+
+
 def resolve_compile(setting, device: torch.device) -> bool:
     """``train.compile``: ``auto`` compiles on CUDA (where it pays) and not on the CPU (where it mostly costs)."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
@@ -187,7 +194,7 @@ class Trainer:
             raise ValueError(f"an epoch has {len(self.sampler)} samples per process, fewer than one step needs "
                              f"({self.samples_per_step}); lower optim.batch_size or use more data")
         self.total_steps = task.total_steps(self.steps_per_epoch)
-        self.loader = build_train_loader(task.train_set, self.sampler, self.per_process_batch, task.num_workers)
+        self.feed = task.build_feed(self.sampler, self.per_process_batch, accelerator.device)
 
         seed_everything(run.seed)  # the same initial weights on every rank
         model = task.build_model().to(accelerator.device)
@@ -292,7 +299,7 @@ class Trainer:
         while self.step < self.total_steps:
             epoch, done_in_epoch = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch, start=done_in_epoch * self.samples_per_step * self.world)
-            batches = iter(self.loader)
+            batches = iter(self.feed)
             for _ in range(done_in_epoch, self.steps_per_epoch):
                 started = time.perf_counter()
                 self.train_step(batches)
@@ -324,7 +331,7 @@ class Trainer:
         wait = 0.0
         for micro in range(optim.grad_accum):
             t0 = time.perf_counter()
-            batch = tuple(b.to(accelerator.device, non_blocking=True) for b in next(batches))
+            batch = next(batches)  # on the device already (DevicePrefetcher)
             wait += time.perf_counter() - t0
             sync = micro == optim.grad_accum - 1
             with (contextlib.nullcontext() if sync else accelerator.no_sync(self.model)), accelerator.autocast():

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common.data import load_fashion_mnist
-from diffusion.latents import DEFAULT_VAE, LatentDataset, sample_latents
+from diffusion.latents import DEFAULT_VAE, LatentDataset, draw_latent
 
 
 @dataclass
@@ -81,10 +81,7 @@ class LatentImages(Dataset):
         return self.length
 
     def __getitem__(self, i: int):
-        mean, logvar, label = self.moments[i]
-        flip = torch.rand(1) < 0.5 if self.hflip else torch.zeros(1, dtype=torch.bool)
-        noise = torch.randn(mean.shape[1:])
-        return sample_latents(mean[None], logvar[None], flip, noise[None], self.moments.scaling_factor)[0], label
+        return draw_latent(self.moments, i, self.hflip)  # reads only the drawn view
 
 
 class DiffusionExamples(Dataset):

@@ -261,6 +261,9 @@ class DiTTask:
         self.grid_sampler = self.fid_sampler = self.fid = None
         self._samplers_built = False
 
+    def build_feed(self, sampler, batch_size: int, device):
+        return trainer.default_feed(self.train_set, sampler, batch_size, self.num_workers, device)
+
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg, self.sample_shape)
 

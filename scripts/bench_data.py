@@ -36,7 +36,7 @@ from torch.utils.data import default_collate
 
 from common.config import from_dict, read_yaml
 from common.data import SeededDataset, sample_seed
-from diffusion.latents import draw_latent, sample_latents
+from diffusion.latents import sample_latents
 from torchvision.datasets.folder import pil_loader
 
 from vision.data import (AugmentConfig, DataConfig, NormalizeErase, build_dataset, build_transform,
@@ -245,7 +245,7 @@ def recipe_configs(root: Path, input_size: int):
 
 
 def latent_paths(root: Path) -> dict:
-    from diffusion.train import DiffusionExamples, LatentImages  # moves to diffusion.data with the trainer rewrite
+    from diffusion.data import DiffusionExamples, LatentImages
 
     class TwoViews(LatentImages):
         def __getitem__(self, i):  # the loader as it was: read both views, keep one
@@ -254,12 +254,8 @@ def latent_paths(root: Path) -> dict:
             noise = torch.randn(mean.shape[1:])
             return sample_latents(mean[None], logvar[None], flip, noise[None], self.moments.scaling_factor)[0], label
 
-    class OneView(LatentImages):
-        def __getitem__(self, i):
-            return draw_latent(self.moments, i, self.hflip)
-
     return {"old": LegacySeededDataset(DiffusionExamples(TwoViews(str(root)), 1000, 0.1)),
-            "new": SeededDataset(DiffusionExamples(OneView(str(root)), 1000, 0.1))}
+            "new": SeededDataset(DiffusionExamples(LatentImages(str(root)), 1000, 0.1))}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -156,15 +156,21 @@ def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tm
 
 
 def test_one_view_read_equals_the_two_view_read(setup, tmp_path):
-    """draw_latent reads only the drawn view and gives, seed for seed, the latent of reading both views and
-    choosing (LatentImages in diffusion.train, sample_latents)."""
+    """draw_latent (what LatentImages uses) reads only the drawn view and gives, seed for seed, the latent of
+    reading both views and choosing with sample_latents (the loader as it was, re-stated here)."""
     from common.data import seeded_rng
-    from diffusion.latents import draw_latent
-    from diffusion.train import LatentImages
+    from diffusion.data import LatentImages
+    from diffusion.latents import draw_latent, sample_latents
+
+    def two_views(i):
+        mean, logvar, label = ds[i]
+        flip = torch.rand(1) < 0.5
+        noise = torch.randn(mean.shape[1:])
+        return sample_latents(mean[None], logvar[None], flip, noise[None], ds.scaling_factor)[0], label
 
     run(setup, tmp_path / "lat")
-    two_views = LatentImages(str(tmp_path / "lat"))
-    ds = two_views.moments
+    images = LatentImages(str(tmp_path / "lat"))
+    ds = images.moments
     for i in range(len(ds)):
         mean, logvar, label = ds[i]
         for view in (0, 1):
@@ -174,9 +180,11 @@ def test_one_view_read_equals_the_two_view_read(setup, tmp_path):
     for seed in range(16):
         i = seed % len(ds)
         with seeded_rng(seed):
-            want, want_label = two_views[i]
+            want, want_label = two_views(i)
         with seeded_rng(seed):
             got, label = draw_latent(ds, i)
+        with seeded_rng(seed):
+            assert torch.equal(images[i][0], got)
         with seeded_rng(seed):
             flips.add(bool(torch.rand(1) < 0.5))
         assert torch.equal(got, want) and label == want_label

@@ -74,20 +74,52 @@ def test_class_count_mismatch(tmp_path):
         build_dataset(DataConfig(path=str(root), num_classes=1000), "val")
 
 
-def test_corrupt_image_is_skipped_with_warning_and_count(tmp_path):
+def test_corrupt_image_is_replaced_in_training_and_left_out_of_evaluation(tmp_path):
     root = make_folder(tmp_path)
-    broken = root / "val" / "a" / "1.jpg"
-    broken.write_bytes(b"not a jpeg at all")
-    data = cfg_for(root)
-    ds = build_dataset(data, "val", build_transform(data, training=False))
-    with pytest.warns(UserWarning, match=r"skipping unreadable image .*a/1\.jpg"):
-        image, target = ds[1]
-    assert image.shape == (3, 16, 16) and target == 0  # the next readable image (a/2.jpg)
+    (root / "val" / "a" / "1.jpg").write_bytes(b"not a jpeg at all")
+    data = cfg_for(root, train_split="val")  # the same folder read as a training split and as a val split
+    train = build_dataset(data, "train", build_transform(data, training=False))
+    with pytest.warns(UserWarning, match=r"skipping unreadable image .*val/a/1\.jpg"):
+        image, target = train[1]
+    assert image.shape == (3, 16, 16) and target == 0  # the next readable image (a/2.jpg): full batches
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loader = torch.utils.data.DataLoader(SeededDataset(ds), batch_size=3, num_workers=1)
+        warnings.simplefilter("error")  # the file is named once, not at every encounter
+        loader = torch.utils.data.DataLoader(SeededDataset(train), batch_size=3, num_workers=1)
         assert sum(len(b[1]) for b in loader) == 6  # batch shapes unchanged
-    assert skipped_images(SeededDataset(ds)) == 2  # once in this process, once in the worker
+        train[1]
+    assert skipped_images(SeededDataset(train)) == 1  # files, not encounters (here: this process and a worker)
+    val = build_dataset(data, "val", build_transform(data, training=False))
+    with pytest.warns(UserWarning, match=r"skipping unreadable image .*val/a/1\.jpg"):
+        image, target = val[1]
+    assert image.shape == (3, 16, 16) and target == -2  # "not an image": -1 - index
+
+
+def test_evaluation_counts_exactly_the_readable_images_and_names_the_others(tmp_path):
+    import timm
+    from accelerate import Accelerator
+
+    from vision.evaluate import evaluate
+
+    root = make_folder(tmp_path)
+    data = cfg_for(root)
+    model = timm.create_model("deit_tiny_siamese_patch16_224", img_size=16, patch_size=8, embed_dim=16, depth=1,
+                              num_heads=2, num_classes=data.num_classes)
+    accelerator = Accelerator(cpu=True)
+    loader = lambda: torch.utils.data.DataLoader(  # noqa: E731
+        build_dataset(data, "val", build_transform(data, training=False)), batch_size=4)
+    broken = root / "val" / "a" / "1.jpg"
+    intact = evaluate(model, loader(), accelerator)
+    # The reference: the same folder without the file, the images the report must be computed on.
+    saved = broken.read_bytes()
+    broken.unlink()
+    without = evaluate(model, loader(), accelerator)
+    broken.write_bytes(saved[:40])  # truncated
+    with pytest.warns(UserWarning, match="skipping unreadable image"):
+        damaged = evaluate(model, loader(), accelerator)
+    assert damaged["images"] == without["images"] == intact["images"] - 1
+    assert damaged["unreadable"] == 1 and damaged["unreadable_files"] == [str(broken)]
+    for key in ("top1", "top5", "loss"):
+        assert damaged[key] == pytest.approx(without[key], abs=1e-9), key
 
 
 def test_mixup_cutmix_targets_are_distributions():

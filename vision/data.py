@@ -5,7 +5,8 @@
 * :func:`build_dataset`: ``imagefolder`` reads ``<path>/<split>/<class>/*.jpg`` (ImageNet: ``train/n01440764/
   *.JPEG``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
 * :class:`ReadableImageFolder`: an unreadable image is replaced by the next readable one, with a warning
-  naming the file; ``skipped_images(dataset)`` counts them across DataLoader workers.
+  naming the file; ``skipped_images(dataset)`` counts the distinct files across DataLoader workers; in the val
+  split an unreadable image is left out of the metrics and named instead.
 * :func:`build_transform`: timm's ``create_transform`` (RandAugment, random-resized crop, random erasing;
   eval: resize ``input_size / crop_pct`` + center crop). ``use_prefetcher=True`` splits the training transform
   in two: the worker half ends in uint8 images plus the random-erasing boxes it drew, and
@@ -93,58 +94,78 @@ class AugmentConfig:
 
 # ----------------------------------------------------------------------------- datasets
 
-def _skip_counter():
-    return multiprocessing.Value("l", 0)  # shared with DataLoader worker processes
-
-
 class ReadableImageFolder(ImageFolder):
-    """``torchvision.datasets.ImageFolder`` that survives unreadable files.
+    """``torchvision.datasets.ImageFolder`` that survives unreadable files, and says which they were.
 
-    A file that cannot be decoded is skipped: a warning names it, ``skipped`` (shared across workers) counts
-    it, and the next readable image of the folder list is returned instead, so batch shapes, and hence
-    DDP, stay intact. Only reading is guarded: an error of the transform is a bug, so it propagates (and
-    names the file).
+    A file that cannot be decoded is flagged (a byte per file, shared across DataLoader workers) and named in a
+    warning the first time. What the dataset returns instead depends on ``substitute``:
 
+    * ``True`` (training): the next readable image of the folder list, so batch shapes, and hence DDP, stay intact;
+    * ``False`` (evaluation): a placeholder image with target ``-1 - index``, which :func:`vision.evaluate.evaluate`
+      leaves out of every metric and reports by name: Top-1 is computed on exactly the readable images.
+
+    Only reading is guarded: an error of the transform is a bug, so it propagates (and names the file).
     ``loader``: path -> image, by default :func:`load_rgb` (RGB PIL image); :func:`load_rgb_tensor` (uint8
     tensor) for the ``use_prefetcher`` transform.
     """
 
-    def __init__(self, root, transform=None, limit: Optional[int] = None, loader: Callable = None):
+    def __init__(self, root, transform=None, limit: Optional[int] = None, loader: Callable = None,
+                 substitute: bool = True):
         super().__init__(root, transform=transform, loader=loader or load_rgb)
         if limit is not None:
             self.samples = self.samples[:limit]
             self.targets = self.targets[:limit]
             self.imgs = self.samples
-        self.skipped = _skip_counter()
+        self.substitute = substitute
+        self.unreadable = multiprocessing.Array("b", len(self.samples), lock=False)  # shared with the workers
+
+    def _read(self, i: int):
+        path = self.samples[i][0]
+        try:
+            return self.loader(path)
+        except Exception as err:  # PIL raises OSError, ValueError or SyntaxError for broken files
+            if not self.unreadable[i]:
+                self.unreadable[i] = 1
+                warnings.warn(f"skipping unreadable image {path} ({type(err).__name__}: {err})")
+            return None
+
+    def _transform(self, image, path):
+        if self.transform is None:
+            return image
+        try:
+            return self.transform(image)
+        except Exception as err:
+            add_note(err, f"while transforming {path}")
+            raise
 
     def __getitem__(self, index: int):
+        if not self.substitute:
+            image = self._read(index)
+            if image is None:  # evaluated as "not an image": left out of the metrics and named
+                return self._transform(Image.new("RGB", (8, 8)), "<placeholder>"), -1 - index
+            return self._transform(image, self.samples[index][0]), self.samples[index][1]
         for attempt in range(min(len(self.samples), 100)):
             i = (index + attempt) % len(self.samples)
-            path, target = self.samples[i]
-            try:
-                image = self.loader(path)
-            except Exception as err:  # PIL raises OSError, ValueError or SyntaxError for broken files
-                with self.skipped.get_lock():
-                    self.skipped.value += 1
-                warnings.warn(f"skipping unreadable image {path} ({type(err).__name__}: {err})")
-                continue
-            if self.transform is not None:
-                try:
-                    image = self.transform(image)
-                except Exception as err:
-                    add_note(err, f"while transforming {path}")
-                    raise
-            return image, target
+            image = self._read(i)
+            if image is not None:
+                return self._transform(image, self.samples[i][0]), self.samples[i][1]
         raise RuntimeError(f"no readable image among 100 files starting at {self.samples[index][0]}; "
                            "check the dataset files")
 
 
-def skipped_images(dataset: Dataset) -> int:
-    """How many unreadable images a dataset (possibly wrapped) has skipped so far, over all workers."""
-    while not hasattr(dataset, "skipped") and hasattr(dataset, "dataset"):
+def unreadable_flags(dataset: Dataset) -> Optional[torch.Tensor]:
+    """One uint8 flag per file of a (possibly wrapped) :class:`ReadableImageFolder`: 1 = found unreadable so far
+    in any worker; None for datasets without files."""
+    while not hasattr(dataset, "unreadable") and hasattr(dataset, "dataset"):
         dataset = dataset.dataset
-    counter = getattr(dataset, "skipped", None)
-    return int(counter.value) if counter is not None else 0
+    flags = getattr(dataset, "unreadable", None)
+    return None if flags is None else torch.frombuffer(flags, dtype=torch.uint8) if len(flags) else torch.zeros(0)
+
+
+def skipped_images(dataset: Dataset) -> int:
+    """How many distinct unreadable files a dataset (possibly wrapped) has met so far, over all workers."""
+    flags = unreadable_flags(dataset)
+    return 0 if flags is None else int(flags.sum())
 
 
 def _check_image_folder(root: Path, split: str) -> Path:
@@ -180,7 +201,8 @@ def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[
         n_classes = len(FashionMNIST.classes)
     else:
         folder = _check_image_folder(Path(cfg.path), cfg.train_split if split == "train" else cfg.val_split)
-        dataset = ReadableImageFolder(folder, transform=transform, limit=limit, loader=loader)
+        dataset = ReadableImageFolder(folder, transform=transform, limit=limit, loader=loader,
+                                      substitute=split == "train")
         n_classes = len(dataset.classes)
     if n_classes != cfg.num_classes:
         raise ValueError(f"the {split} set has {n_classes} classes but data.num_classes={cfg.num_classes}; "

@@ -117,32 +117,48 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
-    """Top-1, Top-5 (percent), mean cross-entropy and image count over ``loader``.
+    """Top-1, Top-5 (percent), mean cross-entropy and the count of the images they were computed on.
 
-    ``loader`` should come from ``accelerator.prepare`` so that each process sees a shard; the
-    per-image results are gathered with ``gather_for_metrics``, which drops the padding duplicates.
+    ``loader`` should come from ``accelerator.prepare`` so that each process sees a shard; the per-image results
+    are gathered with ``gather_for_metrics``, which drops the padding duplicates. Images the dataset could not
+    read (target ``-1 - index``, see :class:`vision.data.ReadableImageFolder`) are left out of every metric and
+    reported as ``unreadable`` with their files.
     """
+    from common.distributed import gather_objects
+
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+    unreadable = []
     for images, targets in loader:
         images, targets = images.to(accelerator.device), targets.to(accelerator.device)
         with accelerator.autocast():
             logits = model(images).float()
+        readable = targets >= 0
+        if not bool(readable.all()):  # rare: an unreadable file in this batch
+            unreadable += (-1 - targets[~readable]).tolist()
+        labels = targets.clamp(min=0)
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
         per_image = torch.stack([
-            F.cross_entropy(logits, targets, reduction="none"),
-            (top[:, 0] == targets).float(),
-            (top == targets[:, None]).any(dim=1).float(),
-        ], dim=1)
+            F.cross_entropy(logits, labels, reduction="none"),
+            (top[:, 0] == labels).float(),
+            (top == labels[:, None]).any(dim=1).float(),
+            torch.ones_like(labels, dtype=torch.float32),
+        ], dim=1) * readable[:, None]
         per_image = accelerator.gather_for_metrics(per_image)
-        totals += torch.cat([per_image.sum(0).double(), per_image.new_tensor([len(per_image)]).double()])
+        totals += per_image.sum(0).double()
     model.train(was_training)
     loss, top1, top5, n = totals.tolist()
+    bad = sorted({i for rank in gather_objects(accelerator, unreadable) for i in rank})
     if n == 0:
-        raise ValueError("the evaluation set is empty")
-    return {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n)}
+        raise ValueError("the evaluation set has no readable image")
+    result = {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n),
+              "unreadable": len(bad)}
+    if bad:
+        samples = getattr(getattr(loader, "dataset", None), "samples", None)
+        result["unreadable_files"] = [samples[i][0] if samples else i for i in bad]
+    return result
 
 
 @dataclass
@@ -180,8 +196,10 @@ def run(cfg: EvalConfig) -> dict:
     metrics.update(model=cfg.model.name, checkpoint=cfg.checkpoint, weights=cfg.weights)
     output = cfg.output or (str(Path(cfg.checkpoint).with_suffix(".eval.json")) if cfg.checkpoint else None)
     if accelerator.is_main_process:
+        unreadable = f"; {metrics['unreadable']} unreadable, left out: {', '.join(map(str, metrics['unreadable_files']))}" \
+            if metrics["unreadable"] else ""
         print(f"{cfg.model.name}: top1 {metrics['top1']:.2f}  top5 {metrics['top5']:.2f}  "
-              f"loss {metrics['loss']:.4f}  ({metrics['images']} images)")
+              f"loss {metrics['loss']:.4f}  ({metrics['images']} images{unreadable})")
         if output:
             Path(output).parent.mkdir(parents=True, exist_ok=True)
             Path(output).write_text(json.dumps(metrics, indent=2))

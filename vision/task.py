@@ -16,9 +16,8 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 
 from common import trainer
-from common.distributed import reduce_sum
-from vision.data import (AugmentConfig, DataConfig, build_dataset, build_eval_loader, build_mixup, build_transform,
-                         skipped_images)
+from vision.data import (AugmentConfig, DataConfig, NormalizeErase, build_dataset, build_eval_loader, build_mixup,
+                         build_transform, load_rgb_tensor, unreadable_flags)
 from vision.evaluate import ModelConfig, build_model, evaluate
 
 
@@ -104,12 +103,25 @@ class DeiTTask:
     def setup(self, accelerator) -> None:
         cfg = self.cfg
         self.accelerator = accelerator
-        self.train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.augment, training=True))
+        # Workers decode, crop and augment to uint8 (+ erasing boxes); normalising and erasing run on the device.
+        self.train_set = build_dataset(cfg.data, "train", None if cfg.data.backend == "dali" else
+                                       build_transform(cfg.data, cfg.augment, training=True, use_prefetcher=True),
+                                       loader=load_rgb_tensor)
         val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
         self.val_loader = accelerator.prepare(build_eval_loader(val_set, cfg.train.eval_batch_size,
                                                                 cfg.data.num_workers))
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
         self.criterion = build_criterion(cfg.augment)
+
+    def build_feed(self, sampler, batch_size: int, device):
+        cfg = self.cfg
+        if cfg.data.backend == "dali":
+            from vision.dali import build_dali_loader
+
+            return build_dali_loader(self.train_set, sampler, batch_size, cfg.data, cfg.augment, device,
+                                     seed=cfg.train.seed * 1000 + self.accelerator.process_index)
+        return trainer.default_feed(self.train_set, sampler, batch_size, cfg.data.num_workers, device,
+                                    NormalizeErase(cfg.data, cfg.augment))
 
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg.model, self.cfg.data)
@@ -136,7 +148,14 @@ class DeiTTask:
         return {"train/skipped_images": self._skipped()}
 
     def _skipped(self) -> int:
-        return int(reduce_sum(self.accelerator, torch.tensor(skipped_images(self.train_set))))
+        """Distinct unreadable training files met by any process (a file met twice, or by two ranks, counts once)."""
+        flags = unreadable_flags(self.train_set)
+        if flags is None:
+            return 0
+        if self.accelerator.num_processes > 1:
+            flags = flags.to(self.accelerator.device, dtype=torch.int32)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return int(flags.sum())
 
     def after_step(self, trainer, last: bool, epoch_end: bool) -> Optional[dict]:
         every = self.cfg.train.eval_every
