@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup data bench clean
+.PHONY: demo test setup data bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ test: $(STAMP) data
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench_block
+
+# The GPU figures (step time, memory, host syncs, data feed, sampling), about 8 minutes on one GPU; fails cleanly without one.
+gpu-check: $(STAMP)
+	$(PY) -m scripts.gpu_check --out runs/gpu_check.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

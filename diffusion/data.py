@@ -34,9 +34,6 @@ class DataConfig:
         if self.dataset == "latents" and not self.path:
             raise ValueError("data.path is required for dataset=latents: the output directory of "
                              "`python -m diffusion.extract_latents` (it holds metadata.json)")
-        if self.dataset == "latents" and self.autoencoder == "none":
-            raise ValueError("dataset=latents needs data.autoencoder (the VAE that made the latents, for sample "
-                             "grids); data.autoencoder=none is for pixel-space data")
         if self.dataset == "fashion_mnist" and self.autoencoder != "none":
             raise ValueError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
         if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):

@@ -117,6 +117,12 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: RunConfig = field(default_factory=RunConfig)
 
+    def __post_init__(self):
+        if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
+                self.train.sample_every or self.train.fid_every):
+            raise ValueError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
+                             "the latents); or set train.sample_every=0 and train.fid_every=0 to train without a VAE")
+
 
 
 

@@ -4,45 +4,22 @@ A host sync is a read of a tensor's value by the host (``aten._local_scalar_dens
 ``float()``, ``.tolist()`` of a device tensor); on a GPU each one stalls the host until the device has caught up.
 The counter sees them on the CPU too, so the step can be checked here.
 """
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.config import load_config
 from common.trainer import Trainer
 from diffusion import train as dit_train
 from diffusion.task import DiTTask
+from scripts.gpu_check import HostSyncCounter
 from vision import train as deit_train
 from vision.task import DeiTTask
 
 pytestmark = pytest.mark.fashion_mnist
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_DIRS = tuple(str(ROOT / d) for d in ("common", "vision", "diffusion"))
 torch.set_num_threads(1)
-
-
-class HostSyncCounter(TorchDispatchMode):
-    """Records every float/bool value read by the host that project code triggers (file:line of the project frame).
-
-    Integer reads are left out: on the CPU they cannot be told apart from the sampler's index bookkeeping
-    (``int(order[i])`` on a host tensor), which never touches the device; values that decide or report training
-    (a loss, a norm, a finite flag) are float or bool.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and (args[0].is_floating_point()
-                                                                     or args[0].dtype == torch.bool):
-            frames = [f for f in traceback.extract_stack() if f.filename.startswith(PROJECT_DIRS)]
-            if frames:
-                self.reads.append(f"{frames[-1].filename}:{frames[-1].lineno} ({args[0].dtype})")
-        return func(*args, **(kwargs or {}))
 
 
 def count_syncs_per_step(monkeypatch, cfg, task_cls):
