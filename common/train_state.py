@@ -203,11 +203,29 @@ class RunLockedError(RuntimeError):
     """The run directory is in use by another live run."""
 
 
+_HELD_LOCK_FDS: set = set()
+
+
+def _close_lock_fds_in_child() -> None:
+    # A forked child (a DataLoader worker) must not share the lock: with it, an orphaned worker of a killed run
+    # would keep the run directory locked for the seconds it takes to notice its parent is gone.
+    for fd in _HELD_LOCK_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_lock_fds_in_child)
+
+
 class RunLock:
     """One run per run directory: an exclusive ``flock`` on ``<run_dir>/.lock``, held while the run lives.
 
     The kernel drops the lock when its process dies (``kill -9`` included), so the lock of a killed run is taken
     over by the next one; :meth:`acquire` then returns what that run had written into the file (who and when).
+    Forked children (DataLoader workers) close their copy, so only the run's own process holds it.
     """
 
     def __init__(self, run_dir: Union[str, os.PathLike]):
@@ -230,6 +248,7 @@ class RunLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}".encode(), 0)
         os.fsync(fd)
         self.fd = fd
+        _HELD_LOCK_FDS.add(fd)
         return previous
 
     def release(self) -> None:
@@ -237,5 +256,6 @@ class RunLock:
             return
         os.ftruncate(self.fd, 0)  # an empty file: released cleanly (a killed run leaves its line behind)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+        _HELD_LOCK_FDS.discard(self.fd)
         os.close(self.fd)
         self.fd = None

@@ -224,8 +224,11 @@ def test_metrics_after_a_kill_are_cut_back_to_the_checkpoint(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- kill -9 at chosen moments
-KILL_RUNS = {"deit": ("vision.train", "fmnist_deit_siamese.yaml", [*DEIT, "train.ckpt_every=2", "train.ema_decay=0.5"]),
-             "dit": ("diffusion.train", "fmnist_dit_siamese.yaml", [*DIT, "train.ckpt_every=2", "optim.steps=6"])}
+# DataLoader workers as users run them: a killed run's orphaned worker must not keep the directory locked.
+KILL_RUNS = {"deit": ("vision.train", "fmnist_deit_siamese.yaml", [*DEIT, "train.ckpt_every=2", "train.ema_decay=0.5",
+                                                                   "data.num_workers=1"]),
+             "dit": ("diffusion.train", "fmnist_dit_siamese.yaml", [*DIT, "train.ckpt_every=2", "optim.steps=6",
+                                                                     "data.num_workers=1"])}
 
 
 @pytest.fixture(scope="module")

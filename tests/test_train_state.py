@@ -100,3 +100,31 @@ def test_metrics_logger_writes_jsonl_and_cuts_back_on_resume(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [3, 4]
     MetricsLogger(Accelerator(cpu=True), tmp_path).close()  # a fresh run
     assert read_metrics(tmp_path) == []
+
+
+def test_a_forked_child_does_not_keep_a_run_locked(tmp_path):
+    """DataLoader workers are forked from the run's process; a worker orphaned by a kill must not hold the lock."""
+    import os
+    import signal
+    import time
+
+    from common.train_state import RunLock, RunLockedError
+
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    ready, started = os.pipe()
+    child = os.fork()
+    if child == 0:  # a worker that outlives its parent for a while
+        os.write(started, b"1")
+        time.sleep(30)
+        os._exit(0)
+    os.read(ready, 1)  # the child is running (its fork hooks have run, as a real worker's have long before a kill)
+    try:
+        os.close(lock.fd)  # the run's process dies: its descriptor is gone, the lock must go with it
+        lock.fd = None
+        RunLock(tmp_path).acquire()
+    except RunLockedError as err:
+        raise AssertionError(f"the forked child kept the lock: {err}")
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
