@@ -72,6 +72,14 @@ def test_dit_recompute_gives_identical_outputs_and_gradients(variant, latents):
     assert_same(output_and_grads(dit(True, **variant), loss), output_and_grads(dit(False, **variant), loss))
 
 
+def test_recompute_inside_block_checkpointing(images):
+    """Nested in the block-level gradient checkpointing (set_grad_checkpointing), still the same gradients."""
+    loss = lambda m: m(images).square().mean()  # noqa: E731
+    nested = deit(True)
+    nested.set_grad_checkpointing(True)
+    assert_same(output_and_grads(nested, loss), output_and_grads(deit(False), loss))
+
+
 def assert_grads_close(grads, reference, names):
     """Every gradient equals the re-statement's to 1e-6 relative to its norm (float32 round-off: the model
     computes ``X + Z * (1/c)`` in one fused op where the re-statement divides, and uses fused attention)."""
