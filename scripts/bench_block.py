@@ -223,14 +223,14 @@ def print_report(results: Dict[str, dict], baseline: str = "pre", title: str = "
     if title:
         print(title)
     base = results.get(baseline)
-    print(f"{'variant':<15} {'median ms':>10} {'x ' + baseline:>8} {'cpu ms':>10} {'x ' + baseline:>8} "
+    print(f"{'variant':<18} {'median ms':>10} {'x ' + baseline:>8} {'cpu ms':>10} {'x ' + baseline:>8} "
           f"{'act MB':>9} {'x ' + baseline:>8} {'peak MB':>9} {'params':>12} {'+params':>9}")
     for name, r in results.items():
         ratio = r["median_ms"] / base["median_ms"] if base else float("nan")
         cpu_ratio = r["cpu_ms"] / base["cpu_ms"] if base else float("nan")
         extra = r["params"] - base["params"] if base else 0
         act_ratio = r["activation_mb"] / base["activation_mb"] if base else float("nan")
-        print(f"{name:<15} {r['median_ms']:>10.2f} {ratio:>8.3f} {r['cpu_ms']:>10.2f} {cpu_ratio:>8.3f} "
+        print(f"{name:<18} {r['median_ms']:>10.2f} {ratio:>8.3f} {r['cpu_ms']:>10.2f} {cpu_ratio:>8.3f} "
               f"{r['activation_mb']:>9.1f} {act_ratio:>8.3f} {r['peak_mem_mb']:>9.1f} {r['params']:>12,} {extra:>+9,}")
 
 
@@ -238,10 +238,10 @@ def print_memory_report(results: Dict[str, Dict[str, float]], baseline: str = "p
     if title:
         print(title)
     columns = list(next(iter(results.values())))
-    print(f"{'variant':<15}" + "".join(f" {c + ' MB':>19} {'x ' + baseline:>8}" for c in columns))
+    print(f"{'variant':<18}" + "".join(f" {c + ' MB':>19} {'x ' + baseline:>8}" for c in columns))
     for name, r in results.items():
         base = results.get(baseline, r)
-        print(f"{name:<15}" + "".join(f" {r[c]:>19.1f} {r[c] / base[c]:>8.3f}" for c in columns))
+        print(f"{name:<18}" + "".join(f" {r[c]:>19.1f} {r[c] / base[c]:>8.3f}" for c in columns))
 
 
 def add_timing_args(parser: argparse.ArgumentParser, batch_size: int, steps: int, warmup: int) -> None:
