@@ -157,9 +157,10 @@ class ResidualBlock(nn.Module):
         recompute_norms: Siamese only; keep only ``X`` and ``Y`` of the norm chain ``LN_post``, ``LN_pre``, sum,
             ``LN_in`` for backward and recompute the rest there (``torch.utils.checkpoint`` of the chain alone;
             no effect without autograd). Same values and gradients, bit for bit. Eager autograd then keeps
-            one stream tensor per sublayer more than Pre-Norm instead of two; under ``torch.compile`` (fp32)
-            the partitioner also recomputes the sublayer input, and Siamese keeps what Pre-Norm keeps. Off by
-            default: it costs 2-3% of CPU step time (``scripts.bench_block``). Norm hooks fire again in backward.
+            one stream tensor per sublayer more than Pre-Norm instead of two. Under ``torch.compile`` the
+            partitioner decides: fp32 DeiT then keeps what Pre-Norm keeps (it recomputes the sublayer input
+            too); DiT and bf16 graphs keep one stream tensor more with or without the switch. Off by default:
+            it costs 0.4-3% of CPU step time (``scripts.bench_block``). Norm hooks fire again in backward.
     """
 
     def __init__(

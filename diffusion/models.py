@@ -181,7 +181,7 @@ class DiT(nn.Module):
         normalized_input, depth_scaling: SiameseNorm's ``LN_in`` and ``1/sqrt(2(l+1))`` (paper Table 3).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default a quarter of depth).
         recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it: one stream
-            tensor per sublayer less activation memory, same results, 2-3% more step time on CPU
+            tensor per sublayer less activation memory, same results, up to 3% more CPU step time
             (see :class:`common.residual.ResidualBlock`).
     """
 

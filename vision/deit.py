@@ -128,7 +128,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
         normalized_input: SiameseNorm's ``LN_in`` (paper Table 3 "Normalized Input").
         depth_scaling: SiameseNorm's ``1/sqrt(2(l+1))`` on the ``X`` update (Table 3 "Depth-wise Scaling").
         recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it: one stream
-            tensor per sublayer less activation memory, same results, 2-3% more step time on CPU
+            tensor per sublayer less activation memory, same results, up to 3% more CPU step time
             (see :class:`common.residual.ResidualBlock`).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default: a quarter of depth).
         **kwargs: every ``VisionTransformer`` argument (``img_size``, ``patch_size``, ``embed_dim``,
