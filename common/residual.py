@@ -8,7 +8,7 @@ Topologies (per block):
 
 * ``pre``     -- ``Y <- Y + F(LN(Y))``                      (norm named ``norm{i}``)
 * ``post``    -- ``X <- LN(X + F(X))``                      (norm named ``norm{i}``)
-* ``siamese`` -- SiameseNorm (arXiv 2602.08064, METHOD.md section 1)::
+* ``siamese`` -- SiameseNorm (arXiv 2602.08064, docs/method.md section 1)::
 
       X <- LN_post(X)
       Z <- F(LN_in(X + LN_pre(Y)))      # LN_in optional ("Normalized Input")
@@ -16,6 +16,9 @@ Topologies (per block):
       Y <- Y + Z
 
   norms named ``pre_norm{i}``, ``post_norm{i}``, ``input_norm{i}`` as in the public SiameseNorm DeiT.
+  The ``X`` update is one fused ``X.add(Z, alpha=1/c_l)``. ``recompute_norms=True`` keeps only ``X`` and ``Y``
+  of the norm chain for backward (one stream tensor per sublayer more than Pre-Norm instead of two) at a
+  few percent of step time; see :class:`ResidualBlock`.
 
 Baselines on the same block:
 
@@ -41,6 +44,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 Tensor = torch.Tensor
 StreamState = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -150,6 +154,13 @@ class ResidualBlock(nn.Module):
             adaLN modulation inside the sublayer function.
         drop_path: stochastic-depth rate applied once to each sublayer output ``Z``.
         num_blocks: DeepNorm only; the model's depth ``N`` (sets ``alpha = (2N)^(1/4)``).
+        recompute_norms: Siamese only; keep only ``X`` and ``Y`` of the norm chain ``LN_post``, ``LN_pre``, sum,
+            ``LN_in`` for backward and recompute the rest there (``torch.utils.checkpoint`` of the chain alone;
+            no effect without autograd). Same values and gradients, bit for bit. Eager autograd then keeps
+            one stream tensor per sublayer more than Pre-Norm instead of two. Under ``torch.compile`` the
+            partitioner decides: fp32 DeiT then keeps what Pre-Norm keeps (it recomputes the sublayer input
+            too); DiT and bf16 graphs keep one stream tensor more with or without the switch. Off by default:
+            it costs 0.4-3% of CPU step time (``scripts.bench_block``). Norm hooks fire again in backward.
     """
 
     def __init__(
@@ -164,12 +175,14 @@ class ResidualBlock(nn.Module):
         input_norm_layer: Optional[Callable[[int], nn.Module]] = None,
         drop_path: float = 0.0,
         num_blocks: Optional[int] = None,
+        recompute_norms: bool = False,
     ):
         super().__init__()
         check_topology(topology, BLOCK_TOPOLOGIES)
         self.topology = topology
         self.layer_index = layer_index
         self.normalized_input = normalized_input
+        self.recompute_norms = recompute_norms
         self.depth_scale = depth_scale(layer_index, depth_scaling) if topology == "siamese" else 1.0
         if topology == "deepnorm" and not num_blocks:
             raise ValueError("the deepnorm topology needs num_blocks (the model depth) to set alpha = (2N)^(1/4)")
@@ -209,15 +222,24 @@ class ResidualBlock(nn.Module):
         if self.topology == "residual":
             z = self.drop_path(sublayer(x))
             return getattr(self, f"norm{index}")(x + z), y + z
+        if self.recompute_norms and torch.is_grad_enabled():
+            x, h = checkpoint(self._norm_chain, index, x, y, use_reentrant=False, preserve_rng_state=False,
+                           determinism_check="none")
+        else:
+            x, h = self._norm_chain(index, x, y)
+        z = self.drop_path(sublayer(h))
+        return x.add(z, alpha=1.0 / self.depth_scale), y + z
+
+    def _norm_chain(self, index: int, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
+        """Siamese front of sublayer ``index``: ``X' = LN_post(X)`` and the sublayer input ``LN_in(X' + LN_pre(Y))``."""
         x = getattr(self, f"post_norm{index}")(x)
-        mixed = x + getattr(self, f"pre_norm{index}")(y)
-        z = self.drop_path(sublayer(getattr(self, f"input_norm{index}")(mixed)))
-        return x + z / self.depth_scale, y + z
+        return x, getattr(self, f"input_norm{index}")(x + getattr(self, f"pre_norm{index}")(y))
 
     def extra_repr(self) -> str:
         s = f"topology={self.topology}, layer_index={self.layer_index}"
         if self.topology == "siamese":
-            s += f", normalized_input={self.normalized_input}, depth_scale={self.depth_scale:.4f}"
+            s += (f", normalized_input={self.normalized_input}, depth_scale={self.depth_scale:.4f}, "
+                  f"recompute_norms={self.recompute_norms}")
         if self.topology == "deepnorm":
             s += f", alpha={self.residual_scale:.4f}"
         return s

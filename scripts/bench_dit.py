@@ -1,12 +1,17 @@
-"""Train-step benchmark of Pre-Norm vs SiameseNorm (and Post-Norm) DiT.
+"""Train-step and activation-memory benchmark of Pre-Norm vs SiameseNorm (and Post-Norm) DiT.
 
 Times forward + backward + AdamW on the DiT noise-prediction objective (MSE on epsilon from random
-latents; the diffusion schedule costs nothing next to the transformer) for each topology, with the
+latents; the diffusion schedule costs nothing next to the transformer) for each variant, with the
 variants interleaved step by step (timing loop shared with ``scripts.bench_block``), and prints the
-median step time and its ratio to the first topology, the activation memory autograd saves (any
-device) and its ratio, peak GPU memory (CUDA only) and parameter counts.
+median step time and its ratio to the first variant, the activation memory autograd saves (any
+device) and its ratio, peak GPU memory (CUDA only) and parameter counts. ``--memory`` measures
+activation memory only (fp32 and bf16 autocast, eager and with ``--compile`` compiled), and variants
+include ``siamese-recompute`` / ``siamese-stored`` (``recompute_norms`` on / off), as in ``scripts.bench_block``.
+Progress goes to stderr as it happens.
 
     python -m scripts.bench_dit --models DiT-S/2,DiT-B/2 --batch-size 8                 # CPU, 32x32 latents
+    python -m scripts.bench_dit --models DiT-B/2 --batch-size 2 --memory \
+        --topologies pre,siamese-recompute,siamese-stored --compile --compile-backend aot_eager_decomp_partition
     python -m scripts.bench_dit --models DiT-B/2,DiT-L/4 --device cuda --dtype bfloat16 --batch-size 256
 """
 from __future__ import annotations
@@ -18,7 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from diffusion.models import DiT_models
-from scripts.bench_block import add_timing_args, apply_timing_args, print_report, time_train_steps
+from scripts.bench_block import (
+    add_timing_args,
+    apply_timing_args,
+    progress,
+    restart_clock,
+    run_variants,
+    variant_kwargs,
+)
 
 
 def dit_batch(batch_size: int, latent_size: int, in_channels: int, num_classes: int, seed: int = 0) -> tuple:
@@ -39,41 +51,39 @@ def main(argv: Sequence[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="DiT-S/2,DiT-B/2",
                         help=f"comma-separated DiT names; one of {', '.join(DiT_models)}")
-    parser.add_argument("--topologies", default="pre,siamese,post", help="comma-separated; the first is the baseline")
+    parser.add_argument("--topologies", default="pre,siamese,post",
+                        help="comma-separated variants (topologies, siamese-recompute, siamese-stored); "
+                             "the first is the baseline")
     parser.add_argument("--latent-size", type=int, default=32, help="latent height/width (32 = 256px images)")
     parser.add_argument("--in-channels", type=int, default=4)
     parser.add_argument("--num-classes", type=int, default=1000)
     add_timing_args(parser, batch_size=8, steps=10, warmup=2)
     args = parser.parse_args(argv)
+    restart_clock()
 
     names = args.models.split(",")
     unknown = [n for n in names if n not in DiT_models]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; valid names are {', '.join(DiT_models)}")
     apply_timing_args(args)
-    topologies = args.topologies.split(",")
+    variants = args.topologies.split(",")
     batch = dit_batch(args.batch_size, args.latent_size, args.in_channels, args.num_classes)
 
-    def builder(name, topology):
+    def builder(name, variant):
         def build():
             torch.manual_seed(0)
-            model = DiT_models[name](topology=topology, input_size=args.latent_size,
-                                     in_channels=args.in_channels, num_classes=args.num_classes)
+            model = DiT_models[name](input_size=args.latent_size, in_channels=args.in_channels,
+                                     num_classes=args.num_classes, **variant_kwargs(variant))
             model.set_grad_checkpointing(args.grad_checkpointing)
             return model
         return build
 
     all_results = {}
     for name in names:
-        results = time_train_steps(
-            {t: builder(name, t) for t in topologies}, lambda: batch, dit_loss,
-            steps=args.steps, warmup=args.warmup, device=args.device,
-            dtype=getattr(torch, args.dtype), compile=args.compile,
-        )
-        print_report(results, baseline=topologies[0], title=(
-            f"{name} {args.latent_size}x{args.latent_size} latents, batch {args.batch_size}, {args.dtype}, "
-            f"{args.device}, {torch.get_num_threads()} threads, median of {args.steps} train steps (fwd+bwd+AdamW)"))
-        all_results[name] = results
+        progress(f"{name} {args.latent_size}x{args.latent_size} latents: {', '.join(variants)}")
+        all_results[name] = run_variants(
+            args, {v: builder(name, v) for v in variants}, lambda: batch, dit_loss,
+            title=f"{name} {args.latent_size}x{args.latent_size} latents", baseline=variants[0])
     return all_results
 
 

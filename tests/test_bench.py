@@ -1,22 +1,51 @@
-"""The benchmark script runs end to end (no timing assertions: speed belongs in the printed ratios)."""
+"""The benchmark scripts run end to end (no timing assertions: speed belongs in the printed ratios)."""
 from scripts.bench_block import main
 
+TINY_DEIT = ["--batch-size", "2", "--img-size", "16", "--patch-size", "8"]
+TINY_DIT = ["--models", "DiT-S/8", "--latent-size", "16", "--num-classes", "10", "--batch-size", "2"]
 
-def test_bench_block_reports_every_variant(capsys):
-    results = main(["--steps", "1", "--warmup", "0", "--batch-size", "2", "--img-size", "16", "--patch-size", "8"])
-    assert set(results) == {"pre", "siamese", "post"}
-    assert results["siamese"]["params"] - results["pre"]["params"] == 19_200
-    # Siamese saves more for backward (two streams, six norms per block) than Pre-Norm.
-    assert results["siamese"]["activation_mb"] > results["pre"]["activation_mb"] > 0
-    out = capsys.readouterr().out
-    assert "x pre" in out and "siamese" in out
+
+def test_bench_block_reports_every_variant_with_progress(capsys):
+    variants = "pre,siamese-recompute,siamese-stored,post"
+    results = main(["--steps", "1", "--warmup", "0", "--topologies", variants, *TINY_DEIT])
+    assert set(results) == {"pre", "siamese-recompute", "siamese-stored", "post"}
+    assert results["siamese-recompute"]["params"] - results["pre"]["params"] == 19_200
+    assert results["siamese-stored"]["params"] == results["siamese-recompute"]["params"]
+    # Siamese saves more for backward than Pre-Norm (two streams, six norms per block); storing its norm chain
+    # instead of recomputing it, more still.
+    act = {name: r["activation_mb"] for name, r in results.items()}
+    assert act["siamese-stored"] > act["siamese-recompute"] > act["pre"] > 0
+    out, err = capsys.readouterr()
+    assert "x pre" in out and "siamese-stored" in out and "cpu ms" in out
+    assert "pre: ready" in err and "round 1/1" in err  # progress, on stderr, as it goes
+
+
+def test_bench_block_memory_mode(capsys):
+    results = main(["--memory", "--topologies", "pre,siamese", *TINY_DEIT])
+    assert set(results["siamese"]) == {"float32 eager", "bfloat16 eager"}
+    assert results["siamese"]["float32 eager"] > results["pre"]["float32 eager"] > 0
+    # bf16 autocast keeps bf16 copies of the activations the matmuls read (the streams stay fp32)
+    assert results["pre"]["bfloat16 eager"] < results["pre"]["float32 eager"]
+    out, err = capsys.readouterr()
+    assert "float32 eager MB" in out and "parameters excluded" in out
+    assert "siamese bfloat16 eager" in err
 
 
 def test_bench_dit_reports_every_variant(capsys):
     from scripts.bench_dit import main as bench_dit
 
-    results = bench_dit(["--models", "DiT-S/8", "--latent-size", "16", "--num-classes", "10", "--batch-size", "2",
-                         "--steps", "1", "--warmup", "0", "--topologies", "pre,siamese"])["DiT-S/8"]
-    assert results["siamese"]["params"] - results["pre"]["params"] == 12 * 8 * 384 + 4 * 384
-    assert results["siamese"]["activation_mb"] > results["pre"]["activation_mb"] > 0
-    assert "DiT-S/8" in capsys.readouterr().out
+    variants = "pre,siamese-recompute,siamese-stored"
+    results = bench_dit([*TINY_DIT, "--steps", "1", "--warmup", "0", "--topologies", variants])["DiT-S/8"]
+    assert results["siamese-stored"]["params"] - results["pre"]["params"] == 12 * 8 * 384 + 4 * 384
+    act = {name: r["activation_mb"] for name, r in results.items()}
+    assert act["siamese-stored"] > act["siamese-recompute"] > act["pre"] > 0
+    out, err = capsys.readouterr()
+    assert "DiT-S/8" in out and "DiT-S/8" in err
+
+
+def test_bench_dit_memory_mode(capsys):
+    from scripts.bench_dit import main as bench_dit
+
+    results = bench_dit([*TINY_DIT, "--memory", "--topologies", "pre,siamese"])["DiT-S/8"]
+    assert results["siamese"]["float32 eager"] > results["pre"]["float32 eager"] > 0
+    assert "float32 eager MB" in capsys.readouterr().out
