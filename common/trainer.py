@@ -125,10 +125,15 @@ def resolve_compile(setting, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def changed_settings(saved: dict, current: dict) -> Dict[str, Tuple[object, object]]:
-    """``{dotted key: (saved value, current value)}`` for every setting that differs."""
-    old, new = flatten(saved), flatten(current)
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+def changed_settings(saved: dict, current: dict, defaults: Optional[dict] = None) -> Dict[str, Tuple[object, object]]:
+    """``{dotted key: (saved value, current value)}`` for every setting that differs.
+
+    A key the checkpoint does not know (a setting added since it was written) counts as unchanged while it holds
+    its default (``defaults``, the schema's own).
+    """
+    old, new, default = flatten(saved), flatten(current), flatten(defaults or {})
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+            and not (k not in old and k in default and new.get(k) == default[k])}
 
 
 def build_optimizer(model: torch.nn.Module, optim, lr: float) -> torch.optim.Optimizer:
@@ -221,7 +226,7 @@ class Trainer:
         if resumed is None:
             return 0, None
         path, state = resumed
-        changes = changed_settings(state.get("config", {}), config_to_dict(self.cfg))
+        changes = changed_settings(state.get("config", {}), config_to_dict(self.cfg), config_to_dict(type(self.cfg)()))
         allowed = RESUMABLE_CHANGES + tuple(self.task.resumable_changes)
         fixed = {k: v for k, v in changes.items() if not k.startswith(allowed)}
         if fixed:

@@ -257,3 +257,12 @@ def test_killed_at_a_chosen_moment_resumes_bit_identically(uninterrupted, tmp_pa
         assert all(torch.equal(a[k], b[k]) for k in a), (name, point)
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == json.loads((tmp_path / "final_metrics.json").read_text())["steps"]
+
+
+def test_a_checkpoint_from_before_a_setting_existed_still_resumes(tmp_path):
+    deit_train.train(deit(tmp_path, "train.stop_at_step=2"))
+    path = CheckpointManager(tmp_path / "checkpoints").path_for(2)
+    state = torch.load(path, weights_only=True)
+    del state["config"]["data"]["backend"]  # a setting this checkpoint's version did not have yet
+    torch.save(state, path)
+    assert deit_train.train(deit(tmp_path))["steps"] == 6  # the new setting at its default is no change
