@@ -758,9 +758,11 @@ def default_device() -> str:
 # ----------------------------------------------------------------------------- the metric suite
 
 class Evaluator:
-    """The metrics of sample sets against one reference: the extractor is built and the reference read (its features
-    computed if it holds images) once; then :meth:`features` (one pass over a sample set, on any process) and
-    :meth:`score` (on gathered features) as often as needed.
+    """The metrics of sample sets against one reference: the extractor is built and the reference checked once;
+    then :meth:`features` (one pass over a sample set, on any process) and :meth:`score` (on the features of the
+    whole set, e.g. gathered from all processes with ``torch.cat``) as often as needed. What the reference must
+    compute (the features of its images, if it holds images) is computed once, on the first :meth:`score` (or
+    :meth:`prepare_reference`), so processes that only extract features never read the reference images.
 
     ``metrics``: any of ``fid``, ``sfid``, ``is``, ``pr`` (precision and recall), ``kid``. None: the DiT tables'
     set (``fid``, ``sfid``, ``is``, ``pr``) as far as the extractor and the reference allow; what they do not
@@ -774,18 +776,24 @@ class Evaluator:
                  pr_batch_size: int = 5000, pr_float16: bool = True, kid_subsets: int = 100,
                  kid_subset_size: int = 1000, seed: int = 2020):
         self.name, self.device = feature_extractor, device or default_device()
-        self.batch_size, self.num_workers, self.value_range, self.progress = batch_size, num_workers, value_range, progress
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.value_range, self.progress = value_range, progress
         self.is_split_size, self.pr_neighbours, self.pr_batch_size, self.pr_float16 = (
             is_split_size, pr_neighbours, pr_batch_size, pr_float16)
         self.kid_subsets, self.kid_subset_size, self.seed = kid_subsets, kid_subset_size, seed
         provided = registered_class(feature_extractor).get_provided_features_list()
+        if feature_layer is not None and feature_layer not in provided:
+            raise MetricsError(f"{feature_extractor} has no layer {feature_layer!r}; it provides {list(provided)}")
         available_layers = {POOL: feature_layer or default_layer(feature_extractor, "fid"),
                             SPATIAL: default_layer(feature_extractor, "sfid"),
                             LOGITS: default_layer(feature_extractor, "isc")}
         available_layers = {role: layer for role, layer in available_layers.items() if layer in provided}
 
         explicit = metrics is not None
-        wanted = list(dict.fromkeys(metrics)) if explicit else [m for m in DIT_METRICS if m != "sfid" or SPATIAL in available_layers]
+        if explicit:
+            wanted = list(dict.fromkeys(metrics))
+        else:
+            wanted = [m for m in DIT_METRICS if m != "sfid" or SPATIAL in available_layers]
         unknown = [m for m in wanted if m not in METRICS]
         if unknown or not wanted:
             raise MetricsError(f"metrics {unknown or wanted}: choose from {', '.join(METRICS)}")
@@ -823,7 +831,7 @@ class Evaluator:
             raise MetricsError(f"reference {ref.source} was computed with other {feature_extractor} weights (SHA-256 "
                                f"{theirs[:12]}, this run {ours[:12]} from {self.extractor.weights_path}); use the "
                                "weights it was made with, or rebuild it with --save-stats")
-        self._prepare_reference()
+        self._prepared = False
 
     def _unavailable(self, metric: str, layers: dict) -> Optional[str]:
         """Why ``metric`` cannot be computed with this extractor and reference (None: it can)."""
@@ -840,12 +848,13 @@ class Evaluator:
         if metric in ("pr", "kid") and not has_images:
             return (f"{metric} needs reference images; {ref.source} holds only statistics (ADM's reference batches "
                     "and --save-stats files carry them as arr_0)")
-        if metric in ("fid", "pr", "kid") and POOL not in layers:
-            return f"{metric} needs the pool features; {self.name} has no layer {layers.get(POOL)}"
         return None
 
-    def _prepare_reference(self) -> None:
+    def prepare_reference(self) -> None:
         """Reference statistics and pool features for the chosen metrics, from the file or one pass over its images."""
+        if self._prepared:
+            return
+        self._prepared = True
         ref, pool = self.reference, self.layers.get(POOL)
         self.ref_pool, self.ref_spatial, self.ref_features = None, None, None
         if ref is None:
@@ -860,8 +869,9 @@ class Evaluator:
         if not need_pass:
             return
         if ref.images is None:
-            raise MetricsError(f"reference {ref.source}: its cached features are from {ref.info.get('feature_extractor')} "
-                               f"layer {ref.info.get('arr_0_features_layer')} and it holds no images to recompute them")
+            raise MetricsError(f"reference {ref.source}: its cached features are from "
+                               f"{ref.info.get('feature_extractor')} layer {ref.info.get('arr_0_features_layer')} and "
+                               "it holds no images to recompute them")
         features = self.features(ref.images)
         meta = dict(feature_extractor=self.name)
         if need_pool_features:
@@ -869,10 +879,12 @@ class Evaluator:
         if "fid" in self.metrics and self.ref_pool is None:
             self.ref_pool = FeatureStatistics.from_features(features[POOL], feature_layer=pool, **meta)
         if "sfid" in self.metrics and self.ref_spatial is None:
-            self.ref_spatial = FeatureStatistics.from_features(features[SPATIAL], feature_layer=self.layers[SPATIAL], **meta)
+            self.ref_spatial = FeatureStatistics.from_features(features[SPATIAL], feature_layer=self.layers[SPATIAL],
+                                                               **meta)
 
     def _cache_matches(self, ref: Reference) -> bool:
-        return ref.info.get("feature_extractor") == self.name and ref.info.get("arr_0_features_layer") == self.layers[POOL]
+        info = ref.info
+        return info.get("feature_extractor") == self.name and info.get("arr_0_features_layer") == self.layers[POOL]
 
     def features(self, images) -> Dict[str, torch.Tensor]:
         """One pass over ``images`` (any :func:`open_images` source or an :class:`ImageSet`): ``{role: float32
@@ -883,6 +895,7 @@ class Evaluator:
 
     def score(self, features: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """The metrics from the features of the whole sample set (e.g. gathered from all processes)."""
+        self.prepare_reference()
         out = {}
         if "fid" in self.metrics:
             out["fid"] = self._frechet(features[POOL], self.ref_pool, POOL)
@@ -898,8 +911,8 @@ class Evaluator:
 
             smallest = min(len(features[POOL]), len(self.ref_features))
             if self.kid_subset_size > smallest:
-                raise MetricsError(f"kid_subset_size={self.kid_subset_size} exceeds the smaller image set ({smallest}); "
-                                   f"pass --kid-subset-size {smallest} or fewer")
+                raise MetricsError(f"kid_subset_size={self.kid_subset_size} exceeds the smaller image set "
+                                   f"({smallest}); pass --kid-subset-size {smallest} or fewer")
             kid = kid_features_to_metric(features[POOL], self.ref_features, kid_subsets=self.kid_subsets,
                                          kid_subset_size=self.kid_subset_size, rng_seed=self.seed, verbose=False)
             out.update(kid_mean=kid["kernel_inception_distance_mean"], kid_std=kid["kernel_inception_distance_std"])
@@ -916,6 +929,7 @@ class Evaluator:
 
     def protocol(self) -> dict:
         """How the numbers are made: recorded next to them."""
+        self.prepare_reference()
         out = {
             "metrics": self.metrics,
             "reference": self.reference.describe() if self.reference is not None else None,
@@ -1074,8 +1088,8 @@ def _resume_partial(work: Path, settings: dict, moments: Dict[str, RunningMoment
         old = json.loads(str(npz["settings"]))
         if old != settings:
             diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-            raise MetricsError(f"{work} holds a partial pass made with other settings ({', '.join(diff)} differ); rerun "
-                               "with the same options to continue it, or delete it to start over")
+            raise MetricsError(f"{work} holds a partial pass made with other settings ({', '.join(diff)} differ); "
+                               "rerun with the same options to continue it, or delete it to start over")
         for role in moments:
             moments[role] = RunningMoments.from_state(npz, role)
         return int(npz["shards_done"])

@@ -71,7 +71,7 @@ def restore_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------- files
 
 def atomic_torch_save(obj, path: Union[str, os.PathLike]) -> Path:
-    """``torch.save`` to ``<path>.tmp``, flush to disk, then rename over ``path`` (:func:`common.durable.atomic_write`)."""
+    """``torch.save`` to ``<path>.tmp``, flush to disk, rename over ``path`` (:func:`common.durable.atomic_write`)."""
     path = Path(path)
     with atomic_write(path) as tmp:
         torch.save(obj, tmp)

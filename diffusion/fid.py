@@ -83,7 +83,7 @@ def parse_args(argv=None):
                    help="weights file of the feature extractor (default: torch-fidelity's cache for Inception, "
                         "~/.cache/siamesenorm/fmnist_cnn.safetensors for fmnist-cnn)")
     g.add_argument("--feature-layer", default=None,
-                   help="pool feature layer for FID/precision/recall/KID (default: the extractor's, 2048 for Inception)")
+                   help="pool feature layer for FID/precision/recall/KID (default: the extractor's; Inception: 2048)")
     r = p.add_argument_group("runtime")
     r.add_argument("--batch-size", type=int, default=50)
     r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -130,7 +130,8 @@ def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, refer
     sample.main(["--checkpoint", str(checkpoint), "--num-samples", str(num_samples), "--out-dir", str(out_dir),
                  "--steps", str(steps), "--seed", str(seed), "--quiet", *extra_sample_args])
     args = ["--samples", str(out_dir / "samples.npz"), "--reference", reference, "--feature-extractor",
-            feature_extractor, "--num-workers", "0", "--quiet", "--out", str(out_dir / "fid.json"), "--metrics", metrics]
+            feature_extractor, "--num-workers", "0", "--quiet", "--out", str(out_dir / "fid.json"),
+            "--metrics", metrics]
     if extractor_weights:
         args += ["--extractor-weights", str(extractor_weights)]
     return main(args, echo=False)

@@ -210,7 +210,8 @@ def test_dit_metric_set_in_one_pass_against_a_raw_folder_reference(tmp_path, inc
 
     seen, sfid_args = [], []
     real_forward, real_frechet = InceptionV3WithSpatial.forward, metrics.frechet_distance
-    monkeypatch.setattr(InceptionV3WithSpatial, "forward", lambda self, x: (seen.append(len(x)), real_forward(self, x))[1])
+    monkeypatch.setattr(InceptionV3WithSpatial, "forward",
+                        lambda self, x: (seen.append(len(x)), real_forward(self, x))[1])
 
     def frechet_or_record(mu1, sigma1, mu2, sigma2):  # the 2023-d square root would take minutes here
         if len(mu1) > 64:
@@ -225,7 +226,8 @@ def test_dit_metric_set_in_one_pass_against_a_raw_folder_reference(tmp_path, inc
     m = result["metrics"]
     assert sorted(m) == ["fid", "is", "precision", "recall", "sfid"]
     protocol = json.loads((tmp_path / "m.json").read_text())["protocol"]
-    assert protocol["metrics"] == ["fid", "sfid", "is", "pr"] and protocol["feature_layers"]["spatial"] == "mixed_6/conv"
+    assert protocol["metrics"] == ["fid", "sfid", "is", "pr"]
+    assert protocol["feature_layers"]["spatial"] == "mixed_6/conv"
     assert protocol["reference"]["info"]["preprocessing"]["center_crop"] == 16
     assert protocol["is"]["split_size"] == 5000 and protocol["pr"]["k"] == 3 and protocol["pr"]["reference_count"] == 4
 

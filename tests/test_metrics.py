@@ -332,7 +332,8 @@ def test_precision_recall_match_brute_force_knn():
     ints_samples = rng.integers(0, 4, (30, 4)).astype(np.float64)
     expected = brute_force_precision_recall(ints_ref, ints_samples)
     for float16 in (True, False):
-        got = precision_recall(torch.from_numpy(ints_ref), torch.from_numpy(ints_samples), batch_size=6, float16=float16)
+        got = precision_recall(torch.from_numpy(ints_ref), torch.from_numpy(ints_samples), batch_size=6,
+                               float16=float16)
         assert got == pytest.approx(expected, abs=0)
     with pytest.raises(MetricsError, match="more than k=3"):
         precision_recall(r[:3], s)
@@ -398,10 +399,10 @@ def test_reference_statistics_of_a_raw_folder_streamed_and_resumed(tmp_path, mon
     assert list(info["skipped"]) == ["n00000000/broken.JPEG"] and info["reference_images"]["count"] == 5
     kept = np.load(tmp_path / "ref.npz")
     assert kept["arr_0"].shape == (5, 28, 28, 3) and kept["arr_0_features"].shape == (5, 128)
-    positions = [files.index(p) for p in files]  # the reference images are crops of files, with their features
+    # the reference images are 5 distinct crops, in file order, stored with their features
     matches = [int(np.flatnonzero((crops == img).all(axis=(1, 2, 3)))[0]) for img in kept["arr_0"]]
     np.testing.assert_allclose(kept["arr_0_features"], direct[matches], rtol=1e-5, atol=1e-6)
-    assert sorted(matches) == matches and len(set(matches)) == 5 and positions
+    assert sorted(matches) == matches and len(set(matches)) == 5
 
     # an uninterrupted pass gives the same numbers bit for bit; a finished file with the same options is kept
     with pytest.warns(UserWarning, match="1 unreadable file"):
@@ -416,6 +417,7 @@ def test_reference_statistics_of_a_raw_folder_streamed_and_resumed(tmp_path, mon
     samples = torch.from_numpy(crops[:6]).permute(0, 3, 1, 2)
     ev = Evaluator(tmp_path / "ref.npz", metrics=["fid", "pr"], feature_extractor="fmnist-cnn", weights=weights,
                    device="cpu")
+    ev.prepare_reference()
     assert ev.ref_features is not None and seen == []  # no pass over the reference images
     with pytest.warns(UserWarning, match="covariance is singular"):
         cached = ev.score(ev.features(samples))
@@ -431,3 +433,23 @@ def test_reference_statistics_of_a_raw_folder_streamed_and_resumed(tmp_path, mon
     (raw / "n00000000" / "broken.JPEG").unlink()
     with pytest.raises(MetricsError, match="all images of a set must have one size.*--center-crop"):
         batches(open_images(raw))
+
+
+@pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")
+def test_evaluator_scores_features_gathered_from_shards(tmp_path):
+    """The trainer's use: each process extracts features of its share, one process scores the concatenation; the
+    numbers equal one call on the whole set, and extracting features never touches the reference."""
+    torch.manual_seed(0)
+    weights = save_weights(FashionMNISTClassifier(), tmp_path / "w.safetensors")
+    g = torch.Generator().manual_seed(2)
+    samples = torch.randint(0, 256, (20, 1, 28, 28), dtype=torch.uint8, generator=g)
+    reference = torch.randint(0, 200, (30, 1, 28, 28), dtype=torch.uint8, generator=g)
+    kw = dict(metrics=["fid", "is", "pr"], feature_extractor="fmnist-cnn", weights=weights, device="cpu")
+    evaluator = Evaluator(reference, **kw)
+    shards = [evaluator.features(part) for part in samples.split(7)]
+    assert not evaluator._prepared  # no reference features computed by feature extraction
+    gathered = {role: torch.cat([s[role] for s in shards]) for role in shards[0]}
+    assert sorted(gathered) == ["logits", "pool"] and gathered["pool"].shape == (20, 128)
+    whole = compute_metrics(samples, reference, **kw)["metrics"]
+    assert evaluator.score(gathered) == pytest.approx(whole, rel=1e-6)
+    assert evaluator.score(gathered) == pytest.approx(whole, rel=1e-6)  # scoring again reuses the reference
