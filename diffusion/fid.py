@@ -104,8 +104,7 @@ def run(args) -> dict:
             raise MetricsError(f"{args.samples} holds {len(images)} images but --num-samples is {args.num_samples}")
         ref = build_reference_statistics(images, args.save_stats, center_crop=args.center_crop,
                                          reference_images=args.reference_images, shard_size=args.shard_size, **common)
-        return {"statistics": str(args.save_stats), "seconds": round(time.perf_counter() - start, 1),
-                **ref.describe()}
+        return {"saved": str(args.save_stats), "seconds": round(time.perf_counter() - start, 1), **ref.describe()}
     if args.center_crop is not None:
         raise MetricsError("--center-crop prepares raw folders for --save-stats; samples are scored as they are")
     metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]

@@ -72,7 +72,8 @@ def test_adm_statistics_path_equals_torch_fidelity(tmp_path, inception_weights):
 
     out = run_cli("--samples", reference, "--save-stats", tmp_path / "ref_stats.npz",
                   "--extractor-weights", inception_weights, "--feature-layer", LAYER)
-    assert out["statistics"]["count"] == 6 and out["statistics"]["dim"] == 64
+    assert out["saved"] == str(tmp_path / "ref_stats.npz") and out["statistics"]["count"] == 6
+    assert out["statistics"]["dim"] == 64 and out["info"]["source"] == str(reference)
     assert out["spatial_statistics"]["dim"] == 2023 and out["images"]["count"] == 6
     ours_stats = FeatureStatistics.load(tmp_path / "ref_stats.npz")
     # an ADM-style reference file: nothing but mu and sigma
