@@ -16,6 +16,8 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from common.durable import atomic_write
+
 StateDict = Mapping[str, torch.Tensor]
 Source = Union[str, os.PathLike, StateDict]
 
@@ -149,17 +151,15 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True, key: Opt
 
 
 def save_weights(source: Union[nn.Module, StateDict], path: Union[str, os.PathLike], metadata: Optional[dict] = None):
-    """Save weights as ``.safetensors`` (or a torch pickle for other suffixes), atomically."""
+    """Save weights as ``.safetensors`` (or a torch pickle for other suffixes), atomically and durably."""
     state_dict = bare_model(source).state_dict() if isinstance(source, nn.Module) else source
     state_dict = {k: v.detach().contiguous().cpu().clone() for k, v in state_dict.items()}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    with atomic_write(path) as tmp:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file(state_dict, str(tmp), metadata={k: str(v) for k, v in (metadata or {}).items()})
-    else:
-        torch.save(state_dict, tmp)
-    os.replace(tmp, path)
+            save_file(state_dict, str(tmp), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        else:
+            torch.save(state_dict, tmp)
     return path

@@ -29,6 +29,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type,
 
 import yaml
 
+from common.durable import atomic_write_text
+
 T = TypeVar("T")
 BASE_KEY = "base"
 
@@ -247,12 +249,7 @@ def flatten(d: Mapping, prefix: str = "") -> dict:
 
 def save_config(cfg, path: Union[str, os.PathLike]) -> Path:
     """Write the resolved config as YAML (atomically) so that the run can be repeated from it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def config_from_cli(schema: Type[T], argv: Optional[Sequence[str]], *, prog: str, description: str,

@@ -4,6 +4,8 @@
   every published DiT FID) uses. Its weights come from a file the user gives, or from torch-fidelity's download
   cache (``<torch hub dir>/checkpoints/weights-inception-2015-12-05-6726825d.pth``). Nothing is downloaded here:
   offline is the normal case, and a missing file is an error that names the file and where to put it.
+  Built as :class:`InceptionV3WithSpatial`, torch-fidelity's class plus ADM's sFID features (``mixed_6/conv``);
+  every layer torch-fidelity provides is computed by torch-fidelity's own forward, unchanged.
 * ``fmnist-cnn``: a small CNN classifier trained on Fashion-MNIST by ``python -m scripts.train_fmnist_classifier``
   (weights in ``~/.cache/siamesenorm/fmnist_cnn.safetensors``, never in git). Inception features of 28x28 grey
   images mean little; this gives CPU-scale experiments a meaningful Frechet distance. Registered in
@@ -15,6 +17,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase
-from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
+from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
 from common.checkpoint import CheckpointError, load_weights
@@ -32,6 +35,8 @@ INCEPTION = "inception-v3-compat"
 FMNIST = "fmnist-cnn"
 INCEPTION_WEIGHTS_FILE = URL_INCEPTION_V3.rsplit("/", 1)[-1]
 FMNIST_WEIGHTS_FILE = "fmnist_cnn.safetensors"
+SPATIAL_LAYER = "mixed_6/conv"  # ADM's sFID tensor, named as in the TensorFlow graph
+SPATIAL_CHANNELS = 7  # ADM keeps the first 7 of its 192 channels: 7 x 17 x 17 = 2023-d features
 CACHE_ENV = "SIAMESENORM_CACHE"
 
 PathLike = Union[str, os.PathLike]
@@ -101,6 +106,62 @@ def resolve_weights(name: str, weights: Optional[PathLike] = None) -> Optional[P
     if name == INCEPTION:
         _check_inception_file(path)
     return path
+
+
+def file_sha256(path: PathLike) -> str:
+    """SHA-256 of a file's bytes, read in 16 MiB blocks (the Inception weights take ~0.3 s)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- Inception with ADM's sFID features
+
+class InceptionV3WithSpatial(FeatureExtractorInceptionV3):
+    """torch-fidelity's TF-compatible Inception-v3 that also provides ADM's sFID features, layer ``mixed_6/conv``.
+
+    ADM's evaluator reads the TensorFlow graph's tensor ``mixed_6/conv:0`` (17 x 17 x 192), keeps its first 7
+    channels and flattens it in NHWC order (2023 numbers per image). In the TF graph, ``mixed_6`` is the 4th of the
+    four 17 x 17 Inception blocks and ``conv`` its 1x1 branch; torch-fidelity's weight conversion maps
+    ``mixed_6/conv/{conv2d_params,batchnorm}`` to ``Mixed_6d.branch1x1.{conv,bn}``. The graph names a conv block's
+    output (after batch norm and ReLU) after its scope, so ``mixed_6/conv:0`` is the output of
+    ``Mixed_6d.branch1x1`` (a ``BasicConv2d``: conv, batch norm, ReLU); it is read here with a forward hook while
+    torch-fidelity's own forward runs, then cut and flattened as ADM does.
+    """
+
+    @staticmethod
+    def get_provided_features_list():
+        return (*FeatureExtractorInceptionV3.get_provided_features_list(), SPATIAL_LAYER)
+
+    @staticmethod
+    def get_default_feature_layer_for_metric(metric):
+        if metric == "sfid":
+            return SPATIAL_LAYER
+        return FeatureExtractorInceptionV3.get_default_feature_layer_for_metric(metric)
+
+    def forward(self, x):
+        requested = self.features_list
+        if SPATIAL_LAYER not in requested:
+            return super().forward(x)
+        inner = [name for name in requested if name != SPATIAL_LAYER]
+        if not any(name in ("768", "2048", "logits_unbiased", "logits") for name in inner):
+            inner.append("768")  # torch-fidelity stops after the last requested layer; "768" runs past Mixed_6d
+        captured = []
+
+        def keep_spatial(module, args, out):
+            captured.append(out[:, :SPATIAL_CHANNELS].permute(0, 2, 3, 1).reshape(len(out), -1).to(torch.float32))
+
+        hook = self.Mixed_6d.branch1x1.register_forward_hook(keep_spatial)
+        self.features_list = inner
+        try:
+            features = dict(zip(inner, super().forward(x)))
+        finally:
+            self.features_list = requested
+            hook.remove()
+        features[SPATIAL_LAYER] = captured[0]
+        return tuple(features[name] for name in requested)
 
 
 # ----------------------------------------------------------------------------- Fashion-MNIST classifier
@@ -195,36 +256,41 @@ if FMNIST not in FEATURE_EXTRACTORS_REGISTRY:
 
 # ----------------------------------------------------------------------------- building
 
-def default_layer(name: str, metric: str) -> str:
-    """The layer torch-fidelity uses for ``metric`` (``fid``, ``isc``, ``kid``) with extractor ``name``."""
-    return registered_class(name).get_default_feature_layer_for_metric(metric)
+def default_layer(name: str, metric: str) -> Optional[str]:
+    """The layer used for ``metric`` (``fid``, ``isc``, ``kid``, ``prc``, ``sfid``) with extractor ``name``;
+    None where the extractor has none (``sfid`` needs ADM's spatial layer, which only Inception has)."""
+    try:
+        return registered_class(name).get_default_feature_layer_for_metric(metric)
+    except KeyError:
+        return None
 
 
 def registered_class(name: str):
+    """The class built for extractor ``name``: torch-fidelity's registry, with Inception extended by ADM's sFID
+    features (:class:`InceptionV3WithSpatial`)."""
     if name not in FEATURE_EXTRACTORS_REGISTRY:
         raise FeatureExtractorError(
             f"unknown feature extractor {name!r}; registered: {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}"
         )
-    return FEATURE_EXTRACTORS_REGISTRY[name]
+    return InceptionV3WithSpatial if name == INCEPTION else FEATURE_EXTRACTORS_REGISTRY[name]
 
 
 def build_feature_extractor(name: str, layers: Sequence[str], weights: Optional[PathLike] = None,
                             device: Union[str, torch.device] = "cpu") -> FeatureExtractorBase:
     """A torch-fidelity feature extractor in eval mode on ``device``; weights resolved by :func:`resolve_weights`.
 
-    Call it with uint8 ``[B, 3, H, W]`` images; it returns one tensor per requested layer, in order.
+    Call it with uint8 ``[B, 3, H, W]`` images; it returns one tensor per requested layer, in order. It carries
+    ``weights_path`` and ``weights_sha256`` (None for extractors that find their own weights), which results record.
     """
-    from torch_fidelity.utils import create_feature_extractor
-
     cls = registered_class(name)
     provided = cls.get_provided_features_list()
     unknown = [layer for layer in layers if layer not in provided]
     if unknown:
         raise FeatureExtractorError(f"{name} has no layer(s) {unknown}; it provides {list(provided)}")
     path = resolve_weights(name, weights)
-    extractor = create_feature_extractor(
-        name, list(dict.fromkeys(layers)), cuda=False, verbose=False,
-        feature_extractor_weights_path=None if path is None else str(path),
-    )
-    extractor.weights_path = None if path is None else str(path)  # recorded in the results' protocol
+    extractor = cls(name, list(dict.fromkeys(layers)), verbose=False,
+                    feature_extractor_weights_path=None if path is None else str(path))
+    extractor.requires_grad_(False).eval()
+    extractor.weights_path = None if path is None else str(path)
+    extractor.weights_sha256 = None if path is None else file_sha256(path)
     return extractor.to(device)

@@ -37,6 +37,8 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from common.durable import atomic_write
+
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
 
 
@@ -85,15 +87,10 @@ def preserved_rng():
 # ----------------------------------------------------------------------------- files
 
 def atomic_torch_save(obj, path: Union[str, os.PathLike]) -> Path:
-    """``torch.save`` to ``<path>.tmp``, flush to disk, then rename over ``path`` (atomic on POSIX)."""
+    """``torch.save`` to ``<path>.tmp``, flush to disk, rename over ``path`` (:func:`common.durable.atomic_write`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        torch.save(obj, tmp)
     return path
 
 

@@ -1,13 +1,16 @@
-"""FID of generated samples (IS and KID on request), with the protocol recorded next to the number.
+"""FID, sFID, Inception Score, Precision and Recall of generated samples (the DiT tables' metric set, as ADM's
+evaluator computes them), from one feature pass, with the protocol recorded next to the numbers.
 
-FID-50K as in the DiT paper (ADM's reference statistics of ImageNet-256, torch-fidelity's TF-compatible Inception):
+The DiT paper's numbers (50,000 samples against ADM's ImageNet-256 reference batch, torch-fidelity's
+TF-compatible Inception):
 
     python -m diffusion.fid --samples samples/dit_b2.npz --reference VIRTUAL_imagenet256_labeled.npz \\
-        --num-samples 50000 --out samples/dit_b2_fid.json
+        --num-samples 50000 --out samples/dit_b2_metrics.json
 
-Cache the statistics of a reference image set once, then use them as the reference:
+Reference statistics of a raw image folder (any sizes, e.g. ImageNet's train folder), with ADM's center crop;
+streamed and resumable (rerun the same command after an interruption), written in ADM's reference-batch layout:
 
-    python -m diffusion.fid --samples /data/imagenet256_train_folder --save-stats stats/in256.npz
+    python -m diffusion.fid --samples /data/imagenet/train --save-stats stats/in256.npz --center-crop 256
 
 Fashion-MNIST (CPU world), with the project's small classifier as feature extractor (train it once with
 ``python -m scripts.train_fmnist_classifier``):
@@ -15,7 +18,9 @@ Fashion-MNIST (CPU world), with the project's small classifier as feature extrac
     python -m diffusion.fid --samples samples/fmnist/ --reference fashion-mnist:test --feature-extractor fmnist-cnn
 
 Samples: a folder of PNG/JPEG files, an ADM-format .npz (arr_0: uint8 [N, H, W, 3]) or fashion-mnist:train/test.
-Reference: any of those, or a statistics .npz (mu, sigma: ADM's reference batches or --save-stats output).
+Reference: any of those, or a statistics .npz (ADM's reference batches: mu, sigma, mu_s, sigma_s, arr_0; or
+--save-stats output). Metrics (--metrics): fid, sfid, is, pr (precision and recall), kid; by default the DiT
+tables' fid,sfid,is,pr, minus what the extractor or the reference cannot give (a warning says which and why).
 Inception weights: --extractor-weights PATH, else torch-fidelity's cache (nothing is downloaded; a missing file
 is an error that says which file to put where). Results: JSON on stdout (and --out), metrics plus protocol.
 """
@@ -24,10 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
+from common.durable import atomic_write_text
 from common.feature_extractors import INCEPTION, FeatureExtractorError
-from common.metrics import MetricsError, compute_metrics, compute_statistics
+from common.metrics import (
+    ADM_IS_SPLIT_SIZE,
+    ADM_REFERENCE_IMAGES,
+    METRICS,
+    MetricsError,
+    build_reference_statistics,
+    compute_metrics,
+    open_images,
+)
 
 
 def parse_args(argv=None):
@@ -36,28 +51,39 @@ def parse_args(argv=None):
     p.add_argument("--samples", required=True,
                    help="generated images: folder of PNG/JPEG, .npz with arr_0 (uint8 NHWC), or fashion-mnist:SPLIT")
     p.add_argument("--reference", default=None,
-                   help="reference: statistics .npz (mu, sigma), image folder, .npz images, or fashion-mnist:SPLIT")
+                   help="reference: statistics .npz (ADM's reference batch or --save-stats output), image folder, "
+                        ".npz images, or fashion-mnist:SPLIT")
     p.add_argument("--out", type=Path, default=None, help="also write the results JSON to this file")
-    p.add_argument("--save-stats", type=Path, default=None, metavar="PATH.npz",
-                   help="only compute the statistics of --samples and save them (reusable as --reference)")
     p.add_argument("--num-samples", type=int, default=None,
                    help="expected number of sample images (e.g. 50000); a different count is an error")
+    m = p.add_argument_group("metrics")
+    m.add_argument("--metrics", default=None,
+                   help=f"comma-separated, from {','.join(METRICS)} (default: fid,sfid,is,pr as far as the extractor "
+                        "and the reference allow)")
+    m.add_argument("--is-split-size", type=int, default=ADM_IS_SPLIT_SIZE,
+                   help="Inception Score over consecutive splits of this many samples (ADM: 5000)")
+    m.add_argument("--pr-batch-size", type=int, default=5000,
+                   help="rows/columns per distance block of precision/recall (memory only; results do not change)")
+    m.add_argument("--kid-subsets", type=int, default=100)
+    m.add_argument("--kid-subset-size", type=int, default=1000)
+    m.add_argument("--seed", type=int, default=2020, help="seed of the KID subsets (torch-fidelity's)")
+    s = p.add_argument_group("reference statistics (--save-stats)")
+    s.add_argument("--save-stats", type=Path, default=None, metavar="PATH.npz",
+                   help="only compute the reference statistics of --samples and save them (reusable as --reference)")
+    s.add_argument("--center-crop", type=int, default=None, metavar="SIZE",
+                   help="read a raw image folder (any sizes) with ADM's center crop to SIZE x SIZE")
+    s.add_argument("--reference-images", type=int, default=ADM_REFERENCE_IMAGES,
+                   help="images kept in the file (arr_0, drawn at random) for precision/recall; 0: none")
+    s.add_argument("--shard-size", type=int, default=10000,
+                   help="images between two saved progress points (the unit of resume)")
     g = p.add_argument_group("features")
     g.add_argument("--feature-extractor", default=INCEPTION,
-                   help=f"torch-fidelity feature extractor: {INCEPTION} (default, ADM-compatible FID) or fmnist-cnn")
+                   help=f"torch-fidelity feature extractor: {INCEPTION} (default, ADM-compatible) or fmnist-cnn")
     g.add_argument("--extractor-weights", "--inception-weights", dest="weights", default=None, metavar="PATH",
                    help="weights file of the feature extractor (default: torch-fidelity's cache for Inception, "
                         "~/.cache/siamesenorm/fmnist_cnn.safetensors for fmnist-cnn)")
     g.add_argument("--feature-layer", default=None,
-                   help="feature layer for FID/KID (default: the extractor's, 2048 for Inception)")
-    m = p.add_argument_group("metrics")
-    m.add_argument("--no-fid", dest="fid", action="store_false", help="skip FID (with --isc/--kid)")
-    m.add_argument("--isc", action="store_true", help="also compute the Inception Score of the samples")
-    m.add_argument("--kid", action="store_true", help="also compute KID (needs reference images)")
-    m.add_argument("--isc-splits", type=int, default=10)
-    m.add_argument("--kid-subsets", type=int, default=100)
-    m.add_argument("--kid-subset-size", type=int, default=1000)
-    m.add_argument("--seed", type=int, default=2020, help="seed of the IS/KID random splits (torch-fidelity's)")
+                   help="pool feature layer for FID/precision/recall/KID (default: the extractor's; Inception: 2048)")
     r = p.add_argument_group("runtime")
     r.add_argument("--batch-size", type=int, default=50)
     r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -72,24 +98,30 @@ def run(args) -> dict:
     if args.save_stats is not None:
         if args.reference is not None:
             raise MetricsError("--save-stats only computes statistics of --samples; drop --reference, or drop --save-stats")
-        stats = compute_statistics(args.samples, **common)
-        if args.num_samples is not None and stats.count != args.num_samples:
-            raise MetricsError(f"{args.samples} holds {stats.count} images but --num-samples is {args.num_samples}")
-        path = stats.save(args.save_stats)
-        return {"statistics": str(path), "source": str(args.samples), **stats.describe()}
+        start = time.perf_counter()
+        images = open_images(args.samples, center_crop=args.center_crop)
+        if args.num_samples is not None and len(images) != args.num_samples:
+            raise MetricsError(f"{args.samples} holds {len(images)} images but --num-samples is {args.num_samples}")
+        ref = build_reference_statistics(images, args.save_stats, center_crop=args.center_crop,
+                                         reference_images=args.reference_images, shard_size=args.shard_size, **common)
+        return {"saved": str(args.save_stats), "seconds": round(time.perf_counter() - start, 1), **ref.describe()}
+    if args.center_crop is not None:
+        raise MetricsError("--center-crop prepares raw folders for --save-stats; samples are scored as they are")
+    metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
     return compute_metrics(
-        args.samples, args.reference, fid=args.fid, isc=args.isc, kid=args.kid, expected_count=args.num_samples,
-        isc_splits=args.isc_splits, kid_subsets=args.kid_subsets, kid_subset_size=args.kid_subset_size,
-        seed=args.seed, **common,
+        args.samples, args.reference, metrics=metrics, expected_count=args.num_samples,
+        is_split_size=args.is_split_size, pr_batch_size=args.pr_batch_size, kid_subsets=args.kid_subsets,
+        kid_subset_size=args.kid_subset_size, seed=args.seed, **common,
     )
 
 
 def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, reference: str = "fashion-mnist:test",
                      feature_extractor: str = "fmnist-cnn", extractor_weights=None, seed: int = 0,
-                     extra_sample_args=()) -> dict:
+                     extra_sample_args=(), metrics: str = "fid") -> dict:
     """The two documented commands as one call: ``diffusion.sample --num-samples`` then ``diffusion.fid``.
 
-    Writes ``<out_dir>/samples.npz`` and ``<out_dir>/fid.json``; returns the FID results dict.
+    Writes ``<out_dir>/samples.npz`` and ``<out_dir>/fid.json``; returns the results dict (``metrics``: FID only
+    unless ``metrics`` names more, e.g. ``"fid,is,pr"``).
     """
     from diffusion import sample
 
@@ -97,7 +129,8 @@ def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, refer
     sample.main(["--checkpoint", str(checkpoint), "--num-samples", str(num_samples), "--out-dir", str(out_dir),
                  "--steps", str(steps), "--seed", str(seed), "--quiet", *extra_sample_args])
     args = ["--samples", str(out_dir / "samples.npz"), "--reference", reference, "--feature-extractor",
-            feature_extractor, "--num-workers", "0", "--quiet", "--out", str(out_dir / "fid.json")]
+            feature_extractor, "--num-workers", "0", "--quiet", "--out", str(out_dir / "fid.json"),
+            "--metrics", metrics]
     if extractor_weights:
         args += ["--extractor-weights", str(extractor_weights)]
     return main(args, echo=False)
@@ -111,8 +144,7 @@ def main(argv=None, echo: bool = True) -> dict:
         raise SystemExit(f"error: {err}") from err
     text = json.dumps(result, indent=2)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        atomic_write_text(args.out, text + "\n")
     if echo:
         print(text, file=sys.stdout)
     return result

@@ -7,20 +7,24 @@ The training loss is ``MSE(eps) + VLB`` where the VLB term sees the predicted me
 stopped, so it trains the variance only. ``learn_sigma=False`` trains plain MSE and samples with the
 fixed "large" variance ``beta_t``.
 
-The schedule (betas, cumulative alphas, ``add_noise``, the evenly spaced sampling timesteps) comes from
-diffusers' :class:`~diffusers.DDPMScheduler`; diffusers has no variational bound and its learned-range
-variance differs from ADM's at ``t=0`` (where the VLB's decoder term lives), so the posterior, the
-reverse-step parameters and the VLB are written here, as pure functions of tensors.
+The schedule (betas, cumulative alphas, ``add_noise``) comes from diffusers' :class:`~diffusers.DDPMScheduler`;
+diffusers has no variational bound and its learned-range variance differs from ADM's at ``t=0`` (where the
+VLB's decoder term lives), so the posterior, the reverse-step parameters and the VLB are written here, as pure
+functions of tensors.
 
 Timestep respacing (``sampling_steps=250``) keeps a subset of the 1000 training timesteps and
 recomputes the betas between them; ``t`` passed to this module's methods then indexes the *respaced*
 steps, and :meth:`GaussianDiffusion.model_timesteps` maps them back to the training timesteps the
-network is conditioned on.
+network is conditioned on. Which steps are kept follows ADM's ``space_timesteps`` (see
+:func:`respaced_timesteps`): ``"N"`` (``spacing="even"``, DDPM's convention) or ``"ddimN"``
+(``spacing="ddim"``, the DDIM paper's integer stride). diffusers' ``timestep_spacing="linspace"`` is not
+used: it rounds ``linspace(0, T-1, N)`` where ADM accumulates a float stride, and the two differ for 278 of
+the 1000 possible counts (e.g. 21; they agree for 250).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from diffusers import DDPMScheduler
@@ -68,6 +72,75 @@ def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tens
     return torch.where(x < -1.0 + 1e-3, log_cdf_upper, torch.where(x > 1.0 - 1e-3, log_sf_lower, log_mass))
 
 
+SPACINGS = ("even", "ddim")
+
+
+def respaced_timesteps(num_timesteps: int, respacing: Union[int, str]) -> List[int]:
+    """The training timesteps kept by ADM's respacing rule ``respacing``, in increasing order.
+
+    * ``"N"`` (or the int N): N steps as evenly spaced as rounding allows, from 0 to ``num_timesteps - 1``
+      (``"250"`` over 1000: 0, 4, 8, ..., 999);
+    * ``"a,b,c"``: the steps are cut into equal sections (the first ones one longer when it does not divide) and
+      section ``i`` gets ``counts[i]`` evenly spaced steps;
+    * ``"ddimN"``: ``range(0, num_timesteps, stride)`` with the smallest integer stride that gives exactly N
+      steps (``"ddim50"``: 0, 20, ..., 980); counts that no integer stride gives are an error, as in ADM.
+
+    The evenly spaced positions accumulate the float stride (``position += stride``) and round half to even,
+    exactly as ADM does: the steps a given count selects are ADM's, ties included.
+    """
+    spec = str(respacing).strip()
+    if spec.startswith("ddim"):
+        try:
+            count = int(spec[len("ddim"):])
+        except ValueError:
+            raise ValueError(f"respacing {spec!r}: 'ddim' must be followed by a number of steps, e.g. ddim50") from None
+        for stride in range(1, num_timesteps):  # the smallest stride wins, as in ADM
+            if math.ceil(num_timesteps / stride) == count:
+                return list(range(0, num_timesteps, stride))
+        possible = sorted({math.ceil(num_timesteps / s) for s in range(1, num_timesteps)})
+        near = sorted(possible, key=lambda c: abs(c - count))[:2]
+        raise ValueError(
+            f"{count} DDIM steps: no integer stride gives exactly {count} of {num_timesteps} steps (ADM's ddim{count} "
+            f"is undefined); use {' or '.join(map(str, sorted(near)))} steps, or the evenly spaced rule "
+            f"(spacing 'even')"
+        )
+    try:
+        counts = [int(c) for c in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"respacing {spec!r}: expected a step count (250), counts per section (10,15,20) "
+                         "or ddimN") from None
+    if any(c < 0 for c in counts) or sum(counts) < 1:
+        raise ValueError(f"respacing {spec!r}: step counts must be non-negative and keep at least one step")
+    section, longer = divmod(num_timesteps, len(counts))
+    kept, start = set(), 0
+    for i, count in enumerate(counts):
+        size = section + (1 if i < longer else 0)
+        if count > size:
+            raise ValueError(f"respacing {spec!r}: a section of {size} training steps cannot hold {count} steps")
+        stride = (size - 1) / (count - 1) if count > 1 else 1
+        position = 0.0
+        for _ in range(count):
+            kept.add(start + round(position))
+            position += stride
+        start += size
+    return sorted(kept)
+
+
+def respacing_string(steps: Union[int, str, None], spacing: str, num_timesteps: int) -> str:
+    """ADM's name of a respacing: ``(50, "ddim") -> "ddim50"``, ``(250, "even") -> "250"``; strings pass through."""
+    if spacing not in SPACINGS:
+        raise ValueError(f"spacing {spacing!r}; choose one of {', '.join(SPACINGS)}")
+    if steps is None:
+        steps = num_timesteps
+    if isinstance(steps, str):
+        if spacing != "even":
+            raise ValueError(f"respacing string {steps!r} already says its rule: leave spacing at 'even'")
+        return steps.strip()
+    if not 1 <= steps <= num_timesteps:
+        raise ValueError(f"sampling_steps={steps} must lie in [1, {num_timesteps}]")
+    return f"ddim{steps}" if spacing == "ddim" else str(steps)
+
+
 class GaussianDiffusion:
     """DDPM schedule, posterior, reverse step and DiT's training loss.
 
@@ -75,7 +148,10 @@ class GaussianDiffusion:
         num_train_timesteps: length of the training chain (1000).
         beta_start, beta_end: the linear beta schedule.
         learn_sigma: the model outputs ``2C`` channels (eps and the variance interpolation ``v``).
-        sampling_steps: respace to this many evenly spaced steps (``None`` = all training steps).
+        sampling_steps: respace to this many steps (``None`` = all training steps), or an ADM respacing
+            string (``"250"``, ``"ddim50"``, ``"10,15,20"``); see :func:`respaced_timesteps`.
+        spacing: for an int ``sampling_steps``: ``"even"`` (ADM's ``"N"``, DDPM's convention) or ``"ddim"``
+            (ADM's ``"ddimN"``, the DDIM convention).
     """
 
     def __init__(
@@ -84,7 +160,8 @@ class GaussianDiffusion:
         beta_start: float = 1e-4,
         beta_end: float = 0.02,
         learn_sigma: bool = True,
-        sampling_steps: Optional[int] = None,
+        sampling_steps: Optional[Union[int, str]] = None,
+        spacing: str = "even",
     ):
         self.learn_sigma = learn_sigma
         self.num_train_timesteps = num_train_timesteps
@@ -94,18 +171,12 @@ class GaussianDiffusion:
             beta_start=beta_start,
             beta_end=beta_end,
             prediction_type="epsilon",
-            timestep_spacing="linspace",  # round(linspace(0, T-1, n)), the same steps as ADM's space_timesteps
             clip_sample=False,
         )
         # diffusers keeps the schedule in float32; the posterior and the VLB need float64 (as ADM).
         train_alphas_cumprod = torch.cumprod(1.0 - self.scheduler.betas.double(), dim=0)
-        if sampling_steps is None or sampling_steps == num_train_timesteps:
-            kept = torch.arange(num_train_timesteps)
-        else:
-            if not 1 <= sampling_steps <= num_train_timesteps:
-                raise ValueError(f"sampling_steps={sampling_steps} must lie in [1, {num_train_timesteps}]")
-            self.scheduler.set_timesteps(sampling_steps)
-            kept = self.scheduler.timesteps.flip(0).long()
+        self.respacing = respacing_string(sampling_steps, spacing, num_train_timesteps)  # ADM's name, e.g. "ddim50"
+        kept = torch.tensor(respaced_timesteps(num_train_timesteps, self.respacing), dtype=torch.long)
         self.timestep_map = kept  # respaced index -> training timestep the model is conditioned on
         self.num_timesteps = len(kept)
 

@@ -17,32 +17,41 @@ training checkpoints ``step_*.pt`` (EMA weights unless ``--weights model``), or 
 official DiT ones (then ``--model`` and ``--image-size`` are needed). The VAE (``--vae``) defaults to the one
 the model was trained with; ``--vae none`` for pixel-space models.
 
+Timesteps follow ADM's respacing conventions: ``--sampler ddpm`` keeps ``--steps`` evenly spaced steps (ADM's
+"250": 0, 4, 8, ..., 999), ``--sampler ddim`` strides from 0 (ADM's and DiT's "ddim50": 0, 20, ..., 980; step counts
+that no integer stride gives are refused). ``--spacing even|ddim`` picks the other rule explicitly. The exact
+steps are recorded in the sampling protocol.
+
 Sample ``i`` (0 <= i < N) has class ``i % num_classes`` and its own noise stream, seeded by ``(--seed, i)``:
 the set is the same for any number of processes. Work is split in chunks of ``--batch-size`` samples, written
 to ``OUT/chunks/`` as they finish; a rerun with the same options skips finished chunks (resume after a crash
-or a time limit). Outputs: ``OUT/samples.npz`` (ADM format: ``arr_0`` uint8 [N, H, W, C], ``arr_1`` labels, and
-the sampling protocol as JSON, which diffusion.fid records), ``OUT/images/*.png`` with ``--format png|both``.
+or a time limit). ``OUT/settings.json`` records the options and a SHA-256 fingerprint of the sampled weights'
+content: a rerun whose checkpoint holds other weights (e.g. a training run refreshed ``ema.safetensors`` in
+between) is refused, so a sample set never mixes two models. Every file is written atomically and fsynced.
+Outputs: ``OUT/samples.npz`` (ADM format: ``arr_0`` uint8 [N, H, W, C], ``arr_1`` labels, and the sampling
+protocol as JSON, which diffusion.fid records), ``OUT/images/*.png`` with ``--format png|both``.
 Chunk files must be on a file system all processes share.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import io
 import json
 import math
-import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
 from common.checkpoint import CheckpointError, load_weights, read_file
+from common.durable import atomic_write, atomic_write_text
 from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
-from diffusion.gaussian_diffusion import GaussianDiffusion
+from diffusion.gaussian_diffusion import SPACINGS, GaussianDiffusion
 from diffusion.latents import DEFAULT_VAE, load_vae
 from diffusion.models import DIT_TOPOLOGIES, DiT, DiT_models
 
@@ -152,6 +161,17 @@ def load_model(checkpoint, overrides: Optional[dict] = None, weights: Optional[s
     return model.eval().requires_grad_(False), spec, key or "weights"
 
 
+def weights_fingerprint(state_dict: Mapping[str, Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of the weights: equal iff the sampled model is the same,
+    whatever file (or path) it came from."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 # ------------------------------------------------------------------------------ noise and labels
 
 def sample_generator(seed: int, index: int) -> torch.Generator:
@@ -213,9 +233,10 @@ def ddim_step(diffusion: GaussianDiffusion, model_output: Tensor, x_t: Tensor, t
 
 
 @torch.no_grad()
-def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[torch.Generator], shape: Sequence[int],
-                sampler: str = "ddpm", eta: float = 0.0, device="cpu") -> Tensor:
-    """Run the reverse chain for one batch; sample ``b`` draws its x_T and step noise from ``generators[b]``.
+def reverse_chain(model_fn, diffusion: GaussianDiffusion, generators: Sequence[torch.Generator], shape: Sequence[int],
+                  sampler: str = "ddpm", eta: float = 0.0, device="cpu") -> Iterator[Tensor]:
+    """The reverse chain for one batch, state by state: yields x_T, then x after each respaced step (x_0 last).
+    Sample ``b`` draws its x_T and step noise from ``generators[b]``.
 
     ``ddpm``: ancestral steps with the learned (or fixed) variance, :meth:`GaussianDiffusion.p_sample`;
     ``ddim``: :func:`ddim_step` with ``eta``.
@@ -223,6 +244,7 @@ def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[tor
     if sampler not in SAMPLERS:
         raise SamplingError(f"sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     x = draw_noise(generators, shape).to(device)
+    yield x
     for i in range(diffusion.num_timesteps - 1, -1, -1):
         t = torch.full((x.shape[0],), i, device=device, dtype=torch.long)
         out = model_fn(x, diffusion.model_timesteps(t))
@@ -231,6 +253,14 @@ def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[tor
             x = diffusion.p_sample(out, x, t, noise)["sample"]
         else:
             x = ddim_step(diffusion, out, x, t, noise, eta)
+        yield x
+
+
+def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[torch.Generator], shape: Sequence[int],
+                sampler: str = "ddpm", eta: float = 0.0, device="cpu") -> Tensor:
+    """x_0 of :func:`reverse_chain`."""
+    for x in reverse_chain(model_fn, diffusion, generators, shape, sampler, eta, device):
+        pass
     return x
 
 
@@ -280,10 +310,8 @@ def chunk_path(out_dir: Path, k: int) -> Path:
 
 
 def _atomic_savez(path: Path, **arrays) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as tmp, open(tmp, "wb") as f:
         np.savez(f, **arrays)
-    os.replace(tmp, path)
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -295,9 +323,8 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 def write_adm_npz(path: Path, chunk_files: Sequence[Path], count: int, image_shape: Sequence[int], protocol: dict) -> None:
     """``arr_0`` (uint8 [N, H, W, C]), ``arr_1`` (labels) and the protocol, streamed chunk by chunk, so the
     file can be larger than memory (np.savez needs the whole array)."""
-    tmp = path.with_name(path.name + ".tmp")
     labels = []
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with atomic_write(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         with zf.open("arr_0.npy", "w", force_zip64=True) as f:
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
                       "shape": (count, *image_shape)}
@@ -308,46 +335,70 @@ def write_adm_npz(path: Path, chunk_files: Sequence[Path], count: int, image_sha
                     labels.append(data["labels"])
         zf.writestr("arr_1.npy", _npy_bytes(np.concatenate(labels)))
         zf.writestr(f"{SAMPLING_PROTOCOL_KEY}.npy", _npy_bytes(np.array(json.dumps(protocol))))
-    os.replace(tmp, path)
 
 
 def write_pngs(folder: Path, chunk_files: Sequence[Path], protocol: dict) -> None:
+    """One PNG per sample, each written atomically; all are rewritten from the chunks (the source of truth), so
+    files left by an interrupted earlier run are never trusted."""
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.tmp"):  # a kill while writing a PNG leaves only its temporary file
+        stale.unlink()
     for chunk in chunk_files:
         with np.load(chunk) as data:
             for index, image in zip(data["indices"], data["images"]):
-                target = folder / f"{int(index):06d}.png"
-                if not target.exists():
-                    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(target)
-    (folder / SAMPLING_PROTOCOL_FILE).write_text(json.dumps(protocol, indent=2))
+                with atomic_write(folder / f"{int(index):06d}.png") as tmp:
+                    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(tmp, format="PNG")
+    atomic_write_text(folder / SAMPLING_PROTOCOL_FILE, json.dumps(protocol, indent=2))
 
 
-def sampling_settings(args, spec: ModelSpec, weights: str, scaling_factor: float) -> dict:
+def sampling_settings(args, spec: ModelSpec, weights: str, scaling_factor: float, diffusion: GaussianDiffusion,
+                      fingerprint: str) -> dict:
     """What makes a sample set: recorded with it, and compared on resume (other values are process layout)."""
-    return {"checkpoint": str(args.checkpoint), "weights": weights, "model": dataclasses.asdict(spec),
-            "sampler": args.sampler, "steps": args.steps, "eta": args.eta if args.sampler == "ddim" else None,
+    return {"checkpoint": str(args.checkpoint), "weights": weights, "weights_sha256": fingerprint,
+            "model": dataclasses.asdict(spec), "sampler": args.sampler, "steps": args.steps, "spacing": args.spacing,
+            "respacing": diffusion.respacing, "timesteps": diffusion.timestep_map.tolist(),
+            "eta": args.eta if args.sampler == "ddim" else None,
             "cfg_scale": args.cfg_scale, "guided_channels": args.guided_channels if args.cfg_scale != 1.0 else None,
             "vae": spec.autoencoder, "vae_scaling_factor": scaling_factor, "seed": args.seed,
             "num_samples": args.num_samples, "labels": "sample i has class i % num_classes",
             "batch_size": args.batch_size}
 
 
+def check_resume(out_dir: Path, settings: dict) -> None:
+    """Refuse to add samples to a directory whose finished chunks were made otherwise (options or weights)."""
+    settings_file = out_dir / SETTINGS_FILE
+    if not settings_file.is_file():
+        if any((out_dir / "chunks").glob("chunk_*.npz")):
+            raise SamplingError(f"{out_dir / 'chunks'} holds sample chunks but no {SETTINGS_FILE}, so nothing says "
+                                "which weights and options made them; use a new --out-dir (or delete the chunks)")
+        return
+    old = json.loads(settings_file.read_text())
+    # The weights are compared by content (weights_sha256); the path is only recorded, so a moved file resumes.
+    diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k) and k != "checkpoint")
+    if not diff:
+        return
+    if diff == ["weights_sha256"]:
+        raise SamplingError(
+            f"{out_dir} holds samples from other weights: {settings['checkpoint']} now holds weights with fingerprint "
+            f"{settings['weights_sha256'][:16]}, the finished chunks came from {str(old['weights_sha256'])[:16]} (the "
+            "file was replaced since, e.g. by a training run refreshing ema.safetensors). Use a new --out-dir, or "
+            "restore the weights the chunks came from to resume")
+    raise SamplingError(f"{out_dir} holds samples made with other settings ({', '.join(diff)} differ); "
+                        "use a new --out-dir, or the same options to resume")
+
+
 def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
     """Generate samples ``0..N-1`` in chunks (rank r takes chunks r, r + W, ...), then assemble the outputs."""
     out_dir = Path(args.out_dir)
-    settings = sampling_settings(args, sampler.spec, args.weights_used, sampler.decoder.scaling_factor)
-    settings_file = out_dir / SETTINGS_FILE
-    if settings_file.is_file() and json.loads(settings_file.read_text()) != settings:
-        old = json.loads(settings_file.read_text())
-        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-        raise SamplingError(f"{out_dir} holds samples made with other settings ({', '.join(diff)} differ); "
-                            "use a new --out-dir, or the same options to resume")
+    settings = sampling_settings(args, sampler.spec, args.weights_used, sampler.decoder.scaling_factor,
+                                 sampler.diffusion, args.weights_sha256)
+    check_resume(out_dir, settings)
     state.wait_for_everyone()
     if state.is_main_process:
         (out_dir / "chunks").mkdir(parents=True, exist_ok=True)
-        settings_file.write_text(json.dumps(settings, indent=2))
+        atomic_write_text(out_dir / SETTINGS_FILE, json.dumps(settings, indent=2))
     state.wait_for_everyone()
 
     n, b = args.num_samples, args.batch_size
@@ -378,7 +429,7 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
     if args.format in ("png", "both"):
         outputs["png"] = out_dir / "images"
         write_pngs(outputs["png"], chunks, protocol)
-    (out_dir / SAMPLING_PROTOCOL_FILE).write_text(json.dumps(protocol, indent=2))
+    atomic_write_text(out_dir / SAMPLING_PROTOCOL_FILE, json.dumps(protocol, indent=2))
     return {"outputs": {k: str(v) for k, v in outputs.items()}, "protocol": protocol}
 
 
@@ -421,6 +472,10 @@ def parse_args(argv=None):
     s.add_argument("--sampler", choices=SAMPLERS, default="ddpm",
                    help="ddpm: ancestral, learned variance (DiT's FID setting); ddim: deterministic at --eta 0")
     s.add_argument("--steps", type=int, default=250, help="respaced sampling steps (DiT's FID-50K: 250)")
+    s.add_argument("--spacing", choices=SPACINGS, default=None,
+                   help="which steps: 'even' (ADM's \"N\": evenly spaced from 0 to T-1; default for ddpm) or 'ddim' "
+                        "(ADM's \"ddimN\": stride T/N from 0; default for ddim, counts without an integer stride "
+                        "are refused)")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM noise (0: deterministic)")
     s.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     s.add_argument("--guided-channels", default="3", help="epsilon channels guided: an int (official: 3) or 'all'")
@@ -449,6 +504,15 @@ def check_args(args) -> None:
         raise SamplingError("--batch-size and --steps must be positive")
     if args.guided_channels != "all" and not args.guided_channels.isdigit():
         raise SamplingError(f"--guided-channels {args.guided_channels!r}: an integer or 'all'")
+    if args.spacing is None:
+        args.spacing = "ddim" if args.sampler == "ddim" else "even"
+
+
+def build_diffusion(args, learn_sigma: bool) -> GaussianDiffusion:
+    try:
+        return GaussianDiffusion(learn_sigma=learn_sigma, sampling_steps=args.steps, spacing=args.spacing)
+    except ValueError as err:
+        raise SamplingError(f"--steps {args.steps} --spacing {args.spacing}: {err}") from err
 
 
 def main(argv=None) -> Optional[dict]:
@@ -457,6 +521,7 @@ def main(argv=None) -> Optional[dict]:
 
     try:
         check_args(args)
+        build_diffusion(args, learn_sigma=True)  # a step count the spacing cannot give fails before any loading
         state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
         device = args.device or str(state.device)
         if torch.cuda.is_available():
@@ -465,7 +530,8 @@ def main(argv=None) -> Optional[dict]:
         overrides = {"name": args.model, "topology": args.topology, "image_size": args.image_size,
                      "num_classes": args.num_classes, "autoencoder": args.vae}
         model, spec, args.weights_used = load_model(args.checkpoint, overrides, args.weights)
-        diffusion = GaussianDiffusion(learn_sigma=spec.learn_sigma, sampling_steps=args.steps)
+        args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
+        diffusion = build_diffusion(args, spec.learn_sigma)
         sampler = Sampler(model.to(device), spec, Decoder(spec.autoencoder, device), diffusion, args.sampler, args.eta,
                           args.cfg_scale, args.guided_channels, args.seed, device)
         if args.grid is not None:

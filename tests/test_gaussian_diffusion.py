@@ -10,6 +10,7 @@ from diffusion.gaussian_diffusion import (
     GaussianDiffusion,
     discretized_gaussian_log_likelihood,
     normal_kl,
+    respaced_timesteps,
 )
 
 T = 1000
@@ -179,6 +180,85 @@ def test_respacing_matches_adm_spacing_and_original_chain():
     # Respacing to all steps changes nothing.
     same = GaussianDiffusion(sampling_steps=T)
     torch.testing.assert_close(same.posterior_mean_coef1, full.posterior_mean_coef1)
+
+
+def adm_space_timesteps(num_timesteps, section_counts):
+    """ADM's ``space_timesteps`` (guided-diffusion respace.py), re-stated: the set of kept training steps, or
+    ValueError where ADM raises."""
+    if isinstance(section_counts, str) and section_counts.startswith("ddim"):
+        desired = int(section_counts[len("ddim"):])
+        for stride in range(1, num_timesteps):
+            if len(range(0, num_timesteps, stride)) == desired:
+                return set(range(0, num_timesteps, stride))
+        raise ValueError("no integer stride")
+    counts = [int(x) for x in str(section_counts).split(",")]
+    size_per, extra = num_timesteps // len(counts), num_timesteps % len(counts)
+    start, steps = 0, []
+    for i, count in enumerate(counts):
+        size = size_per + (1 if i < extra else 0)
+        if size < count:
+            raise ValueError("section too small")
+        frac_stride = 1 if count <= 1 else (size - 1) / (count - 1)
+        cur = 0.0
+        for _ in range(count):
+            steps.append(start + round(cur))
+            cur += frac_stride
+        start += size
+    return set(steps)
+
+
+def test_respacing_rules_equal_adm_space_timesteps_for_every_count():
+    """Both conventions, every count 1..T for T = 1000 (and other lengths), and section strings, against the
+    re-statement above; counts with no integer stride are refused where ADM refuses them."""
+    refused = []
+    for num in (1000, 300, 4000 // 7):
+        for n in range(1, num + 1):
+            assert respaced_timesteps(num, n) == sorted(adm_space_timesteps(num, str(n))), (num, n)
+            try:
+                expected = sorted(adm_space_timesteps(num, f"ddim{n}"))
+            except ValueError:
+                with pytest.raises(ValueError, match="no integer stride"):
+                    respaced_timesteps(num, f"ddim{n}")
+                refused.append((num, n))
+                continue
+            assert respaced_timesteps(num, f"ddim{n}") == expected, (num, n)
+    assert (1000, 300) in refused and (1000, 1) in refused and (1000, 50) not in refused
+    assert sum(1 for num, _ in refused if num == 1000) == 938  # only 62 counts have an integer stride over 1000
+    for sections in ("10,15,20", "1,1,1", "0,5", "3,0,2,7", "250,250,250,250", "500,1", "1,400", "334,333,333"):
+        assert respaced_timesteps(1000, sections) == sorted(adm_space_timesteps(1000, sections)), sections
+    with pytest.raises(ValueError):
+        adm_space_timesteps(1000, "600,600")  # two sections of 500 steps cannot hold 600 each
+    with pytest.raises(ValueError, match="a section of 500 training steps cannot hold 600"):
+        respaced_timesteps(1000, "600,600")
+    assert respaced_timesteps(1000, "ddim50") == list(range(0, 1000, 20))
+    assert respaced_timesteps(1000, 50)[:4] == [0, 20, 41, 61] and respaced_timesteps(1000, 50)[-1] == 999
+
+
+def test_sampling_steps_and_spacing_select_the_rule():
+    even = GaussianDiffusion(sampling_steps=50)
+    ddim = GaussianDiffusion(sampling_steps=50, spacing="ddim")
+    assert (even.respacing, ddim.respacing) == ("50", "ddim50")
+    assert ddim.timestep_map.tolist() == list(range(0, 1000, 20)) and ddim.num_timesteps == 50
+    assert even.timestep_map.tolist() == sorted(adm_space_timesteps(1000, "50"))
+    # the DDPM default is unchanged: 250 steps as round(linspace(0, 999, 250)) gave them before
+    assert GaussianDiffusion(sampling_steps=250).timestep_map.tolist() == \
+        np.round(np.linspace(0, 999, 250)).astype(int).tolist()
+    sections = GaussianDiffusion(sampling_steps="10,15,20")
+    assert sections.timestep_map.tolist() == sorted(adm_space_timesteps(1000, "10,15,20"))
+    assert sections.num_timesteps == 45 and GaussianDiffusion(sampling_steps="ddim25").respacing == "ddim25"
+    # the respaced chain keeps abar at the kept steps, so betas telescope back to the training schedule's
+    full = GaussianDiffusion()
+    torch.testing.assert_close(ddim.alphas_cumprod, full.alphas_cumprod[ddim.timestep_map])
+    torch.testing.assert_close(torch.cumprod(1 - ddim.betas, 0), ddim.alphas_cumprod)
+    assert GaussianDiffusion(sampling_steps=T, spacing="ddim").timestep_map.tolist() == list(range(T))
+    with pytest.raises(ValueError, match="use 250 or 334 steps"):
+        GaussianDiffusion(sampling_steps=300, spacing="ddim")
+    with pytest.raises(ValueError, match="choose one of even, ddim"):
+        GaussianDiffusion(sampling_steps=50, spacing="linspace")
+    with pytest.raises(ValueError, match=r"must lie in \[1, 1000\]"):
+        GaussianDiffusion(sampling_steps=0)
+    with pytest.raises(ValueError, match="ddim must be followed|'ddim' must be followed"):
+        GaussianDiffusion(sampling_steps="ddimx")
 
 
 def test_p_sample_with_true_noise_recovers_posterior():

@@ -2,21 +2,29 @@
 import numpy as np
 import pytest
 import scipy.linalg
+import scipy.spatial
 import torch
 from PIL import Image
 from torch_fidelity.metric_fid import fid_statistics_to_metric
+from torch_fidelity.metric_isc import isc_features_to_metric
 
 from common.feature_extractors import FashionMNISTClassifier, FeatureExtractorError, build_feature_extractor
 from common.checkpoint import save_weights
 from common.metrics import (
+    Evaluator,
     FeatureStatistics,
     MetricsError,
+    RunningMoments,
+    build_reference_statistics,
     compute_metrics,
     extract_features,
     frechet_distance,
     images_to_uint8,
+    inception_score,
     open_images,
     open_reference,
+    pairwise_distances,
+    precision_recall,
 )
 
 
@@ -146,8 +154,11 @@ def test_image_sources_reject_bad_input(tmp_path):
     np.savez(tmp_path / "float.npz", arr_0=np.zeros((2, 8, 8, 3), np.float32))
     with pytest.raises(MetricsError, match="dtype float32.*uint8"):
         open_images(tmp_path / "float.npz")
-    with pytest.raises(MetricsError, match="neither an image folder"):
+    with pytest.raises(MetricsError, match="missing' not found"):
         open_images(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(MetricsError, match="image files are read from a folder"):
+        open_images(tmp_path / "notes.txt")
     (tmp_path / "mixed").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "mixed" / "a.png")
     Image.new("RGB", (9, 8)).save(tmp_path / "mixed" / "b.png")
@@ -190,6 +201,7 @@ def test_fmnist_extractor_loads_given_weights_and_reports_missing_ones(tmp_path,
 
 
 @pytest.mark.filterwarnings("ignore::scipy.linalg.LinAlgWarning")
+@pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")
 def test_compute_metrics_counts_and_reference_checks(tmp_path):
     torch.manual_seed(0)
     weights = save_weights(FashionMNISTClassifier(), tmp_path / "w.safetensors")
@@ -198,21 +210,246 @@ def test_compute_metrics_counts_and_reference_checks(tmp_path):
     b = torch.randint(0, 128, (12, 1, 28, 28), dtype=torch.uint8, generator=g)
     kw = dict(feature_extractor="fmnist-cnn", weights=weights, device="cpu")
     with pytest.warns(UserWarning, match="12 samples for 128-d features: the covariance is singular"):
-        result = compute_metrics(a, b, isc=True, kid=True, kid_subset_size=6, kid_subsets=5, **kw)
+        result = compute_metrics(a, b, metrics=["fid", "is", "pr", "kid"], kid_subset_size=6, kid_subsets=5, **kw)
     m = result["metrics"]
-    assert m["fid"] > 0 and m["isc_mean"] > 0 and np.isfinite(m["kid_mean"])
+    assert m["fid"] > 0 and m["is"] > 0 and np.isfinite(m["kid_mean"]) and 0 <= m["precision"] <= 1
     assert result["protocol"]["samples"]["count"] == 12 and result["protocol"]["feature_layer"] == "128"
+    assert result["protocol"]["feature_layers"] == {"pool": "128", "logits": "logits"}
+    assert len(result["protocol"]["extractor_weights_sha256"]) == 64
+    # by default: the DiT tables' metrics the extractor has (no spatial layer: no sFID), nothing skipped
     with pytest.warns(UserWarning):
-        assert compute_metrics(a, a, **kw)["metrics"]["fid"] == pytest.approx(0.0, abs=1e-6)
+        same = compute_metrics(a, a, **kw)
+    assert sorted(same["metrics"]) == ["fid", "is", "precision", "recall"] and "skipped" not in same["protocol"]
+    assert same["metrics"]["fid"] == pytest.approx(0.0, abs=1e-6)
+    assert same["metrics"]["precision"] == same["metrics"]["recall"] == 1.0
     with pytest.raises(MetricsError, match="holds 12 images but 50000 were expected"):
         compute_metrics(a, b, expected_count=50000, **kw)
     with pytest.raises(MetricsError, match="kid-subset-size"):
-        compute_metrics(a, b, kid=True, **kw)
+        compute_metrics(a, b, metrics=["kid"], **kw)
+    with pytest.raises(MetricsError, match="sfid needs ADM's spatial Inception features; fmnist-cnn has none"):
+        compute_metrics(a, b, metrics=["fid", "sfid"], **kw)
+    with pytest.raises(MetricsError, match="choose from fid, sfid, is, pr, kid"):
+        compute_metrics(a, b, metrics=["fid", "isc"], **kw)
     stats = FeatureStatistics.from_features(np.zeros((3, 64)) + np.arange(3)[:, None])
     with pytest.raises(MetricsError, match="64-d statistics but fmnist-cnn layer 128"):
-        compute_metrics(a, stats, **kw)
+        compute_metrics(a, stats, metrics=["fid"], **kw)
     tagged = FeatureStatistics(np.zeros(128), np.eye(128), feature_extractor="inception-v3-compat", feature_layer="2048")
     with pytest.raises(MetricsError, match="holds inception-v3-compat statistics"):
-        compute_metrics(a, tagged, **kw)
-    with pytest.raises(MetricsError, match="KID needs reference images"):
-        compute_metrics(a, tagged, kid=True, **kw)
+        compute_metrics(a, tagged, metrics=["fid"], **kw)
+    with pytest.raises(MetricsError, match="kid needs reference images"):
+        compute_metrics(a, tagged, metrics=["kid"], **kw)
+    # statistics-only references: what they cannot give is skipped with a warning and recorded
+    own = FeatureStatistics.from_features(torch.randn(200, 128, generator=g), feature_extractor="fmnist-cnn",
+                                          feature_layer="128")
+    with pytest.warns(UserWarning, match="skipped pr: pr needs reference images"):
+        partial = compute_metrics(a, own, **kw)
+    assert sorted(partial["metrics"]) == ["fid", "is"] and "pr" in partial["protocol"]["skipped"]
+    with pytest.raises(MetricsError, match="need a reference.*--metrics is"):
+        compute_metrics(a, None, **kw)
+    assert sorted(compute_metrics(a, None, metrics=["is"], **kw)["metrics"]) == ["is"]
+
+
+# ----------------------------------------------------------------------------- the metrics, against re-statements
+
+def test_running_moments_equal_numpy_mean_and_covariance():
+    x = fixed_features(7, n=1000, d=16, shift=3.0)
+    moments = RunningMoments()
+    for part in np.split(x, [1, 2, 50, 51, 400, 999]):  # uneven parts, single rows included
+        moments.add(part)
+    stats = moments.statistics(feature_layer="16")
+    np.testing.assert_allclose(stats.mu, x.mean(0), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(stats.sigma, np.cov(x, rowvar=False), rtol=1e-12, atol=1e-13)
+    assert stats.count == 1000 and stats.feature_layer == "16"
+
+
+def adm_inception_score(logits, split_size):
+    """ADM evaluator's compute_inception_score, re-stated on numpy softmax outputs."""
+    z = logits - logits.max(1, keepdims=True)
+    preds = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    scores = []
+    for i in range(0, len(preds), split_size):
+        part = preds[i: i + split_size]
+        kl = part * (np.log(part) - np.log(np.expand_dims(np.mean(part, 0), 0)))
+        scores.append(np.exp(np.mean(np.sum(kl, 1))))
+    return float(np.mean(scores))
+
+
+def test_inception_score_is_adms_consecutive_splits():
+    logits = np.random.default_rng(0).standard_normal((23, 10)) * 3
+    for split in (5, 23, 100):  # 5 leaves a short last split of 3, as ADM's does
+        assert inception_score(torch.from_numpy(logits), split) == pytest.approx(adm_inception_score(logits, split),
+                                                                                 rel=1e-12)
+    # with equal splits and no shuffling it is torch-fidelity's formula too
+    theirs = isc_features_to_metric(torch.from_numpy(logits[:20]), splits=4, shuffle=False)["inception_score_mean"]
+    assert inception_score(logits[:20], 5) == pytest.approx(theirs, rel=1e-12)
+    assert inception_score(np.zeros((8, 10)), 4) == pytest.approx(1.0)  # constant predictions: IS = 1
+
+
+def brute_force_precision_recall(ref, samples, k=3, distances=None):
+    """Improved precision/recall (Kynkaanniemi et al.) with full distance matrices: radius = distance to the k-th
+    nearest neighbour counting the point itself (the (k+1)-th smallest entry of its row)."""
+    distances = distances or (lambda a, b: scipy.spatial.distance.cdist(a, b, "sqeuclidean"))
+    ref_radii = np.sort(distances(ref, ref), axis=1)[:, k]
+    sample_radii = np.sort(distances(samples, samples), axis=1)[:, k]
+    d = distances(ref, samples)
+    precision = np.mean((d <= ref_radii[:, None]).any(axis=0))
+    recall = np.mean((d <= sample_radii[None, :]).any(axis=1))
+    return precision, recall
+
+
+def adm_float16_distances(u, v):
+    """ADM's DistanceBlock on float16 inputs, each TensorFlow op's output rounded to float16 (sums and products
+    accumulated in float32), re-stated in numpy; None where a float16 value overflows (ADM then uses float32)."""
+    u16, v16 = u.astype(np.float16), v.astype(np.float16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm_u = np.square(u16).astype(np.float32).sum(1).astype(np.float16)
+        norm_v = np.square(v16).astype(np.float32).sum(1).astype(np.float16)
+        matmul = (u16.astype(np.float32) @ v16.astype(np.float32).T).astype(np.float16)
+        d = np.maximum(norm_u[:, None] - np.float16(2) * matmul + norm_v[None, :], np.float16(0))
+    return d.astype(np.float32) if np.isfinite(d).all() else None
+
+
+def test_precision_recall_match_brute_force_knn():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((60, 5))
+    samples = rng.standard_normal((45, 5)) * 1.3 + 0.4
+    expected = brute_force_precision_recall(ref, samples)
+    assert 0.2 < expected[0] < 0.95 and 0.2 < expected[1] < 0.95  # neither trivial
+    r, s = torch.from_numpy(ref).float(), torch.from_numpy(samples).float()
+    for batch in (7, 45, 1000):  # blocks change memory, never the result
+        assert precision_recall(r, s, batch_size=batch, float16=False) == pytest.approx(expected, abs=0)
+    # float16 as ADM's graph: equal to the numpy re-statement of its ops
+    fp16 = brute_force_precision_recall(ref, samples, distances=adm_float16_distances)
+    for batch in (7, 1000):
+        assert precision_recall(r, s, batch_size=batch) == pytest.approx(fp16, abs=0)
+    np.testing.assert_array_equal(pairwise_distances(r, s).numpy(), adm_float16_distances(ref, samples))
+    # large features overflow float16: ADM falls back to float32, and so do we
+    big = r * 1000
+    assert adm_float16_distances(big.numpy(), big.numpy()) is None
+    torch.testing.assert_close(pairwise_distances(big, big), pairwise_distances(big, big, float16=False))
+    # duplicates and ties (small integer features are exact in float16): '<=' and the point itself count as in ADM
+    ints_ref = rng.integers(0, 3, (40, 4)).astype(np.float64)
+    ints_samples = rng.integers(0, 4, (30, 4)).astype(np.float64)
+    expected = brute_force_precision_recall(ints_ref, ints_samples)
+    for float16 in (True, False):
+        got = precision_recall(torch.from_numpy(ints_ref), torch.from_numpy(ints_samples), batch_size=6,
+                               float16=float16)
+        assert got == pytest.approx(expected, abs=0)
+    with pytest.raises(MetricsError, match="more than k=3"):
+        precision_recall(r[:3], s)
+
+
+def test_reference_statistics_of_a_raw_folder_streamed_and_resumed(tmp_path, monkeypatch):
+    """--save-stats on a folder of JPEG/PNG of mixed sizes with ADM's center crop: statistics equal those of the
+    cropped images computed directly; a kill between shards resumes to the same file; a broken file is skipped."""
+    import common.metrics as metrics
+    from diffusion.latents import center_crop_arr
+
+    torch.manual_seed(0)
+    weights = save_weights(FashionMNISTClassifier(), tmp_path / "w.safetensors")
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "raw"
+    for i in range(11):
+        size = (int(rng.integers(20, 90)), int(rng.integers(20, 90)))
+        folder = raw / f"n{i % 3:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+        img.save(folder / f"img_{i:03d}.{'JPEG' if i % 2 else 'png'}")
+    (raw / "n00000000" / "broken.JPEG").write_bytes(b"\xff\xd8 not a jpeg")
+    kw = dict(feature_extractor="fmnist-cnn", weights=weights, device="cpu", center_crop=28, reference_images=5,
+              shard_size=4, batch_size=3)
+
+    # the re-statement: crop each readable file with ADM's crop, features through the extractor, numpy statistics
+    files = sorted(p for p in raw.rglob("*") if p.is_file() and p.name != "broken.JPEG")
+    crops = np.stack([np.asarray(center_crop_arr(Image.open(p).convert("RGB"), 28)) for p in files])
+    extractor = build_feature_extractor("fmnist-cnn", ["128"], weights=weights)
+    direct = extract_features(open_images(crops), extractor)["128"].double().numpy()
+
+    calls = {"n": 0}
+    real_write = metrics._write_partial
+
+    def killed_after_two_shards(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("killed")
+        real_write(*args)
+
+    monkeypatch.setattr(metrics, "_write_partial", killed_after_two_shards)
+    with pytest.raises(KeyboardInterrupt):
+        build_reference_statistics(raw, tmp_path / "ref.npz", **kw)
+    assert sorted(p.name for p in (tmp_path / "ref.npz.partial").iterdir()) == \
+        ["moments.npz", "part_000000.npz", "part_000001.npz"]
+    with pytest.raises(MetricsError, match="partial pass made with other settings .*preprocessing"):
+        build_reference_statistics(raw, tmp_path / "ref.npz", **{**kw, "center_crop": 30})
+    monkeypatch.setattr(metrics, "_write_partial", real_write)
+    seen = []
+    real_batches = metrics.feature_batches
+    monkeypatch.setattr(metrics, "feature_batches", lambda *a, **k: (seen.append(a[4:6]), real_batches(*a, **k))[1])
+    with pytest.warns(UserWarning, match="1 unreadable file"):
+        resumed = build_reference_statistics(raw, tmp_path / "ref.npz", **kw)
+    assert seen == [(8, 12)]  # only the unfinished shard was read again
+    assert not (tmp_path / "ref.npz.partial").exists()
+
+    # (float32 features of batches cut differently by the shards: equal to float32 rounding)
+    np.testing.assert_allclose(resumed.statistics.mu, direct.mean(0), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(resumed.statistics.sigma, np.cov(direct, rowvar=False), rtol=0, atol=1e-8)
+    assert resumed.statistics.count == 11 and resumed.spatial_statistics is None  # no spatial layer in fmnist-cnn
+    info = resumed.info
+    assert info["preprocessing"]["center_crop"] == 28 and "center_crop_arr" in info["preprocessing"]["method"]
+    assert list(info["skipped"]) == ["n00000000/broken.JPEG"] and info["reference_images"]["count"] == 5
+    kept = np.load(tmp_path / "ref.npz")
+    assert kept["arr_0"].shape == (5, 28, 28, 3) and kept["arr_0_features"].shape == (5, 128)
+    # the reference images are 5 distinct crops, in file order, stored with their features
+    matches = [int(np.flatnonzero((crops == img).all(axis=(1, 2, 3)))[0]) for img in kept["arr_0"]]
+    np.testing.assert_allclose(kept["arr_0_features"], direct[matches], rtol=1e-5, atol=1e-6)
+    assert sorted(matches) == matches and len(set(matches)) == 5
+
+    # an uninterrupted pass gives the same numbers bit for bit; a finished file with the same options is kept
+    with pytest.warns(UserWarning, match="1 unreadable file"):
+        whole = build_reference_statistics(raw, tmp_path / "whole.npz", **kw)
+    np.testing.assert_array_equal(whole.statistics.sigma, resumed.statistics.sigma)
+    np.testing.assert_array_equal(np.load(tmp_path / "whole.npz")["arr_0_features"], kept["arr_0_features"])
+    seen.clear()
+    assert build_reference_statistics(raw, tmp_path / "ref.npz", **kw).info == resumed.info
+    assert seen == []
+
+    # the file serves as a reference: cached features of arr_0, the same numbers as recomputing them
+    samples = torch.from_numpy(crops[:6]).permute(0, 3, 1, 2)
+    ev = Evaluator(tmp_path / "ref.npz", metrics=["fid", "pr"], feature_extractor="fmnist-cnn", weights=weights,
+                   device="cpu")
+    ev.prepare_reference()
+    assert ev.ref_features is not None and seen == []  # no pass over the reference images
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        cached = ev.score(ev.features(samples))
+    np.savez(tmp_path / "adm_like.npz", mu=kept["mu"], sigma=kept["sigma"], arr_0=kept["arr_0"])
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        recomputed = compute_metrics(samples, tmp_path / "adm_like.npz", metrics=["fid", "pr"],
+                                     feature_extractor="fmnist-cnn", weights=weights, device="cpu")["metrics"]
+    assert recomputed == pytest.approx(cached, rel=1e-6)
+    with pytest.raises(MetricsError, match="--center-crop applies to image folders"):
+        open_images(tmp_path / "adm_like.npz", center_crop=28)
+    with pytest.raises(MetricsError, match="cannot read .*broken.JPEG: UnidentifiedImageError"):
+        open_images(raw)  # without the crop a set must be complete: a broken file is an error
+    (raw / "n00000000" / "broken.JPEG").unlink()
+    with pytest.raises(MetricsError, match="all images of a set must have one size.*--center-crop"):
+        batches(open_images(raw))
+
+
+@pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")
+def test_evaluator_scores_features_gathered_from_shards(tmp_path):
+    """The trainer's use: each process extracts features of its share, one process scores the concatenation; the
+    numbers equal one call on the whole set, and extracting features never touches the reference."""
+    torch.manual_seed(0)
+    weights = save_weights(FashionMNISTClassifier(), tmp_path / "w.safetensors")
+    g = torch.Generator().manual_seed(2)
+    samples = torch.randint(0, 256, (20, 1, 28, 28), dtype=torch.uint8, generator=g)
+    reference = torch.randint(0, 200, (30, 1, 28, 28), dtype=torch.uint8, generator=g)
+    kw = dict(metrics=["fid", "is", "pr"], feature_extractor="fmnist-cnn", weights=weights, device="cpu")
+    evaluator = Evaluator(reference, **kw)
+    shards = [evaluator.features(part) for part in samples.split(7)]
+    assert not evaluator._prepared  # no reference features computed by feature extraction
+    gathered = {role: torch.cat([s[role] for s in shards]) for role in shards[0]}
+    assert sorted(gathered) == ["logits", "pool"] and gathered["pool"].shape == (20, 128)
+    whole = compute_metrics(samples, reference, **kw)["metrics"]
+    assert evaluator.score(gathered) == pytest.approx(whole, rel=1e-6)
+    assert evaluator.score(gathered) == pytest.approx(whole, rel=1e-6)  # scoring again reuses the reference

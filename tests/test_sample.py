@@ -19,9 +19,11 @@ from diffusion.sample import (
     load_model,
     main,
     model_fn_for,
+    reverse_chain,
     sample_generator,
     sample_loop,
 )
+from tests.test_gaussian_diffusion import adm_space_timesteps
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}
@@ -54,7 +56,7 @@ def restated_chain(model_fn, steps, indices, sampler, eta=0.0, seed=0):
     """DDPM with learned range variance / DDIM, written out in float64 from the DiT/ADM formulas."""
     betas_train = np.linspace(1e-4, 0.02, 1000, dtype=np.float64)
     abar_train = np.cumprod(1.0 - betas_train)
-    kept = np.round(np.linspace(0, 999, steps)).astype(np.int64)  # ADM's space_timesteps(1000, [steps])
+    kept = np.array(sorted(adm_space_timesteps(1000, str(steps))))  # ADM's "N" rule
     abar = abar_train[kept]
     abar_prev = np.append(1.0, abar[:-1])
     beta = 1.0 - abar / abar_prev
@@ -90,6 +92,76 @@ def test_reverse_chain_matches_direct_restatement(tiny, sampler, eta):
     direct = restated_chain(fn, 6, indices, sampler, eta)
     assert ours.abs().max() > 0.1
     torch.testing.assert_close(ours.double(), direct, atol=2e-4, rtol=1e-4)
+
+
+def adm_ddim_chain(model_fn, respacing, indices, eta, seed):
+    """ADM's DDIM sampler re-stated in float64, every state of the chain: SpacedDiffusion (betas recomputed
+    from abar at the kept steps, abar re-accumulated from them), then per step ``ddim_sample`` with
+    ``clip_denoised=False`` as DiT samples: pred_xstart from the model's eps, eps re-derived from pred_xstart,
+    ``sigma = eta sqrt((1 - abar_prev) / (1 - abar)) sqrt(1 - abar / abar_prev)``,
+    ``x = pred_xstart sqrt(abar_prev) + sqrt(1 - abar_prev - sigma^2) eps + [t > 0] sigma noise``.
+    The model sees the training timestep ``timestep_map[i]``; noise comes from the same per-sample streams."""
+    abar_train = np.cumprod(1.0 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
+    timestep_map, new_betas, last = [], [], 1.0
+    kept = adm_space_timesteps(1000, respacing)
+    for i, abar in enumerate(abar_train):
+        if i in kept:
+            new_betas.append(1 - abar / last)
+            last = abar
+            timestep_map.append(i)
+    alphas_cumprod = np.cumprod(1.0 - np.array(new_betas))
+    alphas_cumprod_prev = np.append(1.0, alphas_cumprod[:-1])
+    gens = [sample_generator(seed, i) for i in indices]
+    x = draw_noise(gens, SHAPE).double()
+    states = [x]
+    for i in reversed(range(len(timestep_map))):
+        eps_model = model_fn(x.float(), torch.full((len(indices),), timestep_map[i])).double()[:, :1]
+        pred_xstart = np.sqrt(1.0 / alphas_cumprod[i]) * x - np.sqrt(1.0 / alphas_cumprod[i] - 1) * eps_model
+        eps = (np.sqrt(1.0 / alphas_cumprod[i]) * x - pred_xstart) / np.sqrt(1.0 / alphas_cumprod[i] - 1)
+        abar, abar_prev = alphas_cumprod[i], alphas_cumprod_prev[i]
+        sigma = eta * np.sqrt((1 - abar_prev) / (1 - abar)) * np.sqrt(1 - abar / abar_prev)
+        noise = draw_noise(gens, SHAPE).double()
+        mean_pred = pred_xstart * np.sqrt(abar_prev) + np.sqrt(1 - abar_prev - sigma ** 2) * eps
+        x = mean_pred + (i != 0) * sigma * noise
+        states.append(x)
+    return timestep_map, states
+
+
+@pytest.mark.parametrize("eta", [0.0, 1.0])
+def test_ddim_sampling_matches_adm_ddim_chain_step_for_step(tiny, tmp_path, eta):
+    """``--sampler ddim --steps 10`` is ADM's ddim10 (stride 100 from 0) and every state of its chain equals ADM's
+    DDIM chain; the command records the steps and writes the same final images."""
+    model, spec, _ = load_model(tiny, {})
+    labels, indices = torch.tensor([0, 1, 2]), [0, 1, 2]
+    fn = model_fn_for(model, labels)
+    timestep_map, adm_states = adm_ddim_chain(fn, "ddim10", indices, eta, seed=3)
+    assert timestep_map == list(range(0, 1000, 100))
+
+    out = main(["--checkpoint", str(tiny), "--num-samples", "3", "--out-dir", str(tmp_path / "s"), "--batch-size", "3",
+                "--sampler", "ddim", "--steps", "10", "--eta", str(eta), "--seed", "3", "--quiet"])
+    protocol = out["protocol"]
+    assert (protocol["spacing"], protocol["respacing"], protocol["timesteps"]) == ("ddim", "ddim10", timestep_map)
+    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=10, spacing=protocol["spacing"])
+    ours = list(reverse_chain(fn, diffusion, [sample_generator(3, i) for i in indices], SHAPE, "ddim", eta))
+    assert len(ours) == len(adm_states) == 11
+    for step, (a, b) in enumerate(zip(ours, adm_states)):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=f"state {step}")
+    assert (ours[-1] - ours[0]).abs().max() > 0.1
+    # the written images are the final states, quantized
+    images = np.load(tmp_path / "s" / "samples.npz")["arr_0"].astype(np.float64)
+    expected = np.clip(np.round((adm_states[-1].clamp(-1, 1).numpy() + 1) * 127.5), 0, 255).transpose(0, 2, 3, 1)
+    assert np.abs(images - expected).max() <= 1
+
+
+def test_step_counts_the_spacing_cannot_give_are_refused(tiny, tmp_path):
+    with pytest.raises(SystemExit, match="no integer stride gives exactly 300 .*use 250 or 334 steps"):
+        main(["--checkpoint", str(tiny), "--grid", str(tmp_path / "g.png"), "--sampler", "ddim", "--steps", "300"])
+    # the evenly spaced rule, chosen explicitly, takes any count
+    out = main(["--checkpoint", str(tiny), "--num-samples", "2", "--out-dir", str(tmp_path / "even"), "--steps", "7",
+                "--sampler", "ddim", "--spacing", "even", "--quiet"])
+    assert out["protocol"]["respacing"] == "7"
+    assert out["protocol"]["timesteps"] == sorted(adm_space_timesteps(1000, "7"))
+    assert out["protocol"]["timesteps"] == read_sampling_protocol(tmp_path / "even" / "samples.npz")["timesteps"]
 
 
 @pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 1.0)])
@@ -209,3 +281,72 @@ def test_training_checkpoints_sample_their_ema_weights(tiny, tmp_path):
     model, _, weights = load_model(tmp_path / "step_0000007.pt", {}, weights="model")
     assert weights == "model"
     assert torch.equal(model.state_dict()["final_layer.linear.weight"], raw["final_layer.linear.weight"])
+
+
+def test_resume_refuses_replaced_weights_but_follows_a_moved_file(tiny, tmp_path):
+    """A checkpoint replaced between a kill and the rerun (same path, other weights) is refused; the same weights
+    under another path resume."""
+    import shutil
+
+    ckpt = tmp_path / "ema.safetensors"
+    shutil.copy(tiny, ckpt)
+    first = main(sample_args(ckpt, tmp_path / "out"))
+    assert len(first["protocol"]["weights_sha256"]) == 64
+    images = np.load(tmp_path / "out" / "samples.npz")["arr_0"]
+    chunks = sorted((tmp_path / "out" / "chunks").glob("chunk_*.npz"))
+    chunks[1].unlink()  # as if killed before the second chunk was finished
+    (tmp_path / "out" / "samples.npz").unlink()
+    # ... and the file replaced in between, as a training run refreshing ema.safetensors does
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(ckpt)
+    weights["final_layer.linear.bias"] = weights["final_layer.linear.bias"] + 1.0
+    with safe_open(str(tiny), "pt") as f:
+        save_file(weights, str(ckpt), metadata=f.metadata())
+    with pytest.raises(SystemExit, match="holds samples from other weights.*Use a new --out-dir"):
+        main(sample_args(ckpt, tmp_path / "out"))
+    assert not (tmp_path / "out" / "samples.npz").exists()
+
+    moved = tmp_path / "moved" / "ema.safetensors"
+    moved.parent.mkdir()
+    shutil.copy(tiny, moved)
+    kept = chunks[0].stat().st_mtime_ns
+    again = main(sample_args(moved, tmp_path / "out"))
+    assert chunks[0].stat().st_mtime_ns == kept
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "samples.npz")["arr_0"], images)
+    assert again["protocol"]["weights_sha256"] == first["protocol"]["weights_sha256"]
+    assert again["protocol"]["checkpoint"] == str(moved)
+    # chunks without the settings that made them are never trusted
+    (tmp_path / "out" / "settings.json").unlink()
+    with pytest.raises(SystemExit, match="no settings.json"):
+        main(sample_args(moved, tmp_path / "out"))
+
+
+def test_pngs_are_rewritten_atomically_and_every_output_is_fsynced(tiny, tmp_path, monkeypatch):
+    """A 0-byte PNG or a temporary file left by a kill is replaced on the rerun; chunks, settings, the npz and
+    the PNGs are flushed to disk, file and directory."""
+    from PIL import Image
+
+    import common.durable as durable
+
+    synced = []
+    real_file, real_dir = durable.fsync_file, durable.fsync_dir
+    monkeypatch.setattr(durable, "fsync_file", lambda p: (synced.append(("file", Path(p).name)), real_file(p)))
+    monkeypatch.setattr(durable, "fsync_dir", lambda p: (synced.append(("dir", Path(p).name)), real_dir(p)))
+    out = tmp_path / "out"
+    main(sample_args(tiny, out, "--format", "both"))
+    for name in ("chunk_000000.npz.tmp", "chunk_000002.npz.tmp", "settings.json.tmp", "samples.npz.tmp",
+                 "000009.png.tmp", "protocol.json.tmp"):
+        assert ("file", name) in synced, name
+    assert ("dir", "chunks") in synced and ("dir", "images") in synced and ("dir", "out") in synced
+
+    png = out / "images" / "000003.png"
+    good = png.read_bytes()
+    png.write_bytes(b"")  # what a kill during a non-atomic PNG write left behind
+    (out / "images" / "000004.png.tmp").write_bytes(b"partial")
+    main(sample_args(tiny, out, "--format", "png"))
+    assert png.read_bytes() == good
+    assert not list((out / "images").glob("*.tmp"))
+    with Image.open(png) as img:
+        assert np.array_equal(np.asarray(img), np.load(out / "samples.npz")["arr_0"][3, ..., 0])

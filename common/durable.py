@@ -1,0 +1,78 @@
+"""Durable file writes: after a kill or a power loss a path holds either its old content or its new content,
+never a torn or empty file.
+
+    with atomic_write("out/chunk_000003.npz") as tmp:   # any writer that takes a path or opens one
+        np.savez(tmp, images=images)
+    atomic_write_text("out/settings.json", json.dumps(settings))
+
+The new content goes to ``<name>.tmp`` next to the target, is flushed to disk (``fsync``), renamed over the
+target (``os.replace``, atomic on POSIX), and the directory is flushed so the rename itself survives a power
+loss. A failure removes the temporary file and leaves the target untouched.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Union
+
+PathLike = Union[str, os.PathLike]
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_file(path: PathLike) -> None:
+    """Flush a written file's data to disk (it may have been written by a library that closed it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Flush a directory entry (a create or rename inside it) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def temporary_path(path: PathLike) -> Path:
+    """Where :func:`atomic_write` puts the new content of ``path`` until it is complete."""
+    path = Path(path)
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+@contextmanager
+def atomic_write(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary path to write ``path``'s new content to; on success make it durable and rename it over
+    ``path``. Parent directories are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(path)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
+    with atomic_write(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: PathLike, text: str) -> Path:
+    with atomic_write(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
