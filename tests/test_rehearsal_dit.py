@@ -23,11 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.logging import read_metrics
-from common.metrics import compute_statistics
-from diffusion.latents import center_crop_arr
 from tests.rehearsal import ROOT, check, recipe_changes, run, write_image_folder, write_random_inception
 
-CLASSES, PER_CLASS, BATCH, STEPS, SAMPLES, REFERENCE = 3, 6, 8, 4, 6, 8
+CLASSES, PER_CLASS, BATCH, STEPS, SAMPLES = 3, 6, 8, 4, 6
 pytestmark = pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")
 torch.set_num_threads(1)
 
@@ -145,16 +143,13 @@ def test_sample_then_fid_against_reference_statistics(chain, tmp_path):
            ("ddpm", 5, 4.0, "3")
     assert protocol["vae"] == str(root / "vae")
 
-    # The reference statistics, as ADM's VIRTUAL_imagenet256_labeled.npz holds them for ImageNet: here of the ADM
-    # centre crops of the readable training images (test set-up, so computed in this process).
-    reference = tmp_path / "reference"
-    reference.mkdir()
+    # The reference statistics, as ADM's VIRTUAL_imagenet256_labeled.npz holds them for ImageNet: from the raw
+    # training folder (odd sizes, a truncated file) with ADM's centre crop, through the user command.
     readable = [p for p in sorted((root / "imagenet" / "train").rglob("*.JPEG")) if p.name != "truncated.JPEG"]
-    for path in readable[:REFERENCE]:
-        with Image.open(path) as image:
-            center_crop_arr(image.convert("RGB"), 256).save(reference / f"{path.stem}.png")
     weights = write_random_inception(tmp_path / "inception.pth")
-    compute_statistics(reference, weights=weights, feature_layer="64", device="cpu").save(tmp_path / "ref.npz")
+    check(run("diffusion.fid", "--samples", root / "imagenet" / "train", "--save-stats", tmp_path / "ref.npz",
+              "--center-crop", 256, "--extractor-weights", weights, "--feature-layer", 64, "--device", "cpu",
+              "--quiet"))
     check(run("diffusion.fid", "--samples", samples / "samples.npz", "--reference", tmp_path / "ref.npz",
               "--num-samples", SAMPLES, "--out", tmp_path / "fid.json", "--extractor-weights", weights,
               "--feature-layer", 64, "--device", "cpu", "--quiet"))
@@ -162,4 +157,4 @@ def test_sample_then_fid_against_reference_statistics(chain, tmp_path):
     assert math.isfinite(result["metrics"]["fid"]) and result["metrics"]["fid"] > 0
     assert result["protocol"]["samples"]["count"] == SAMPLES
     assert result["protocol"]["samples"]["sampling"]["cfg_scale"] == 4.0
-    assert result["protocol"]["reference"]["statistics"]["count"] == REFERENCE
+    assert result["protocol"]["reference"]["statistics"]["count"] == len(readable)
