@@ -1,4 +1,4 @@
-"""Gaussian diffusion as DiT trains and samples it (METHOD.md section 4).
+"""Gaussian diffusion as DiT trains and samples it (docs/method.md section 4).
 
 1000 steps, linear betas 1e-4..0.02, the network predicts the noise ``eps`` and, with
 ``learn_sigma=True``, a second set of channels ``v`` in [-1, 1] that interpolates the log-variance of
@@ -201,6 +201,15 @@ class GaussianDiffusion:
         self.fixed_large_log_variance = torch.log(torch.cat([self.posterior_variance[1:2], betas[1:]]))
 
     # ----------------------------------------------------------------------------------------- forward
+    def to(self, device) -> "GaussianDiffusion":
+        """Keep the schedule on ``device`` (the model's): a step then indexes it without a host-to-device copy
+        (a copy from pageable host memory makes the host wait for the GPU)."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        self.scheduler.alphas_cumprod = self.scheduler.alphas_cumprod.to(device)  # what add_noise indexes
+        return self
+
     def model_timesteps(self, t: Tensor) -> Tensor:
         """The training timesteps the network is conditioned on for (possibly respaced) indices ``t``."""
         return self.timestep_map.to(t.device)[t]

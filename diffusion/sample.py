@@ -295,6 +295,9 @@ class Sampler:
     seed: int = 0
     device: str = "cpu"
 
+    def __post_init__(self):
+        self.diffusion.to(self.device)  # the schedule next to the model: no host-to-device copy per step
+
     def __call__(self, indices: Tensor, labels: Tensor) -> Tensor:
         generators = [sample_generator(self.seed, int(i)) for i in indices]
         model_fn = model_fn_for(self.model, labels.to(self.device), self.cfg_scale, self.guided_channels)

@@ -263,7 +263,7 @@ class DiTTask:
         self.sample_shape = tuple(images[0][0].shape)
         self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob)
         self.diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start,
-                                           cfg.diffusion.beta_end, learn_sigma=cfg.model.learn_sigma)
+                                           cfg.diffusion.beta_end, learn_sigma=cfg.model.learn_sigma).to(accelerator.device)
         self.grid_sampler = self.fid_sampler = self.fid = None
         self._samplers_built = False
 

@@ -236,7 +236,7 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     short = GaussianDiffusion(learn_sigma=True, sampling_steps=measured_steps)
     indices, labels = torch.arange(batch), torch.arange(batch) % 1000
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        sampler.diffusion = short
+        sampler.diffusion = short.to(device)
         sampler(indices, labels)  # warm-up
         _sync()
         start = time.perf_counter()
