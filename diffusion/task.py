@@ -14,7 +14,6 @@ import inspect
 import json
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -22,6 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from common import trainer
+from common.checkpoint import bare_model
 from common.residual import check_topology
 from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.gaussian_diffusion import GaussianDiffusion
@@ -195,49 +195,41 @@ def save_grid(sampler, cfg: TrainConfig, path: Path) -> None:
 class InTrainingFid:
     """Frechet distance of the EMA model's samples to a reference, as diffusion.sample + diffusion.fid compute it.
 
-    Built once per run: the feature extractor and the reference statistics; each call only samples, extracts
-    features and measures. Written here rather than calling ``compute_metrics`` per evaluation because that
-    rebuilds the extractor and re-reads the reference every time; the pieces are common.metrics' own.
+    The extractor is built and the reference checked once (:class:`common.metrics.Evaluator`). Each call samples
+    on every process -- chunk ``k`` of ``train.fid_batch_size`` samples on process ``k % world``, as diffusion.sample
+    splits them -- extracts the features there, and scores the gathered features on the main process: no process
+    waits in a barrier while another samples (for DiT-XL/2 that wait would pass NCCL's timeout).
     """
 
     def __init__(self, cfg: RunConfig, device, num_workers: int = 0):
-        from common.feature_extractors import build_feature_extractor, default_layer
-        from common.metrics import FeatureStatistics, _check_statistics_match, extract_features, open_reference
+        from common.metrics import Evaluator
 
-        self.cfg, self.name = cfg, cfg.fid_feature_extractor
-        self.layer = default_layer(self.name, "fid")
-        self.extractor = build_feature_extractor(self.name, [self.layer], cfg.fid_extractor_weights, device)
-        reference = open_reference(cfg.fid_reference)
-        meta = dict(feature_extractor=self.name, feature_layer=self.layer)
-        if reference.statistics is not None:
-            _check_statistics_match(reference.statistics, self.name, self.layer, reference.source)
-            self.reference = reference.statistics
-        else:
-            features = extract_features(reference.images, self.extractor, num_workers=num_workers)[self.layer]
-            self.reference = FeatureStatistics.from_features(features, **meta)
-        self.source = reference.source
-        if cfg.fid_samples <= len(self.reference.mu):
-            warnings.warn(f"train.fid_samples={cfg.fid_samples} for {len(self.reference.mu)}-d features: the "
-                          "covariance is singular and the Frechet distance strongly biased; compare only numbers "
-                          "with equal sample counts", stacklevel=2)
+        self.cfg = cfg
+        self.evaluator = Evaluator(cfg.fid_reference, metrics=["fid"], feature_extractor=cfg.fid_feature_extractor,
+                                   weights=cfg.fid_extractor_weights, device=str(device), num_workers=num_workers)
 
     @torch.no_grad()
-    def __call__(self, sampler) -> dict:
-        from common.metrics import FeatureStatistics, _check_statistics_match, extract_features, frechet_distance
-        from common.metrics import open_images
+    def __call__(self, sampler, accelerator) -> Optional[dict]:
+        """``fid/...`` metrics on the main process, None on the others."""
+        from common.distributed import gather_objects
         from diffusion.sample import balanced_labels
 
-        n, b = self.cfg.fid_samples, self.cfg.fid_batch_size
         start = time.perf_counter()
-        with eval_mode(sampler.model):
-            images = torch.cat([sampler(idx, balanced_labels(idx, sampler.spec.num_classes))
-                                for idx in torch.arange(n).split(b)])
-        features = extract_features(open_images(images), self.extractor)[self.layer]
-        stats = FeatureStatistics.from_features(features)
-        _check_statistics_match(self.reference, self.name, self.layer, self.source, dim=len(stats.mu))
-        fd = frechet_distance(stats.mu, stats.sigma, self.reference.mu, self.reference.sigma)
-        return {"fid/fd": fd, "fid/samples": n, "fid/steps": self.cfg.fid_steps,
-                "fid/seconds": time.perf_counter() - start}
+        chunks = list(torch.arange(self.cfg.fid_samples).split(self.cfg.fid_batch_size))
+        mine = chunks[accelerator.process_index::accelerator.num_processes]
+        features = None
+        if mine:
+            with eval_mode(sampler.model):
+                images = torch.cat([sampler(idx, balanced_labels(idx, sampler.spec.num_classes)) for idx in mine])
+            features = self.evaluator.features(images)
+        gathered = gather_objects(accelerator, (torch.cat(mine) if mine else None, features))
+        if not accelerator.is_main_process:
+            return None
+        parts = [(idx, f) for idx, f in gathered if idx is not None]
+        order = torch.cat([idx for idx, _ in parts]).argsort()
+        features = {role: torch.cat([f[role] for _, f in parts])[order] for role in parts[0][1]}
+        return {"fid/fd": self.evaluator.score(features)["fid"], "fid/samples": self.cfg.fid_samples,
+                "fid/steps": self.cfg.fid_steps, "fid/seconds": time.perf_counter() - start}
 
 
 class DiTTask:
@@ -264,8 +256,10 @@ class DiTTask:
         self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob)
         self.diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start,
                                            cfg.diffusion.beta_end, learn_sigma=cfg.model.learn_sigma).to(accelerator.device)
-        self.grid_sampler = self.fid_sampler = self.fid = None
+        self.grid_sampler = self.fid_sampler = None
         self._samplers_built = False
+        # Built now, before any training, so that a wrong reference or weights file is an error up front.
+        self.fid = InTrainingFid(cfg.train, accelerator.device, cfg.data.num_workers) if cfg.train.fid_every else None
 
     def build_feed(self, sampler, batch_size: int, device):
         return trainer.default_feed(self.train_set, sampler, batch_size, self.num_workers, device)
@@ -292,20 +286,20 @@ class DiTTask:
         return {}
 
     def _build_samplers(self, trainer) -> None:
-        """The decoder (VAE), grid sampler and FID scorer, once, on the main process, when first needed."""
-        cfg, run = self.cfg, self.cfg.train
+        """The decoder (VAE) and samplers, once, when first needed: the grid sampler on the main process, the FID
+        sampler on every process (in-training FID samples on all of them)."""
+        cfg, run, device = self.cfg, self.cfg.train, self.accelerator.device
         self._samplers_built = True
-        if not self.accelerator.is_main_process:
+        main = self.accelerator.is_main_process
+        if not (run.fid_every or (run.sample_every and main)):
             return
-        weights = trainer.ema.module if trainer.ema is not None else trainer.model
-        decoder = build_decoder(cfg, self.accelerator.device)
-        if run.sample_every:
-            self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, self.accelerator.device, decoder,
-                                              run.sample_steps, run.sample_cfg_scale)
+        weights = trainer.ema.module if trainer.ema is not None else bare_model(trainer.model)
+        decoder = build_decoder(cfg, device)
+        if run.sample_every and main:
+            self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.sample_steps,
+                                              run.sample_cfg_scale)
         if run.fid_every:
-            self.fid_sampler = build_sampler(cfg, weights, self.sample_shape, self.accelerator.device, decoder,
-                                             run.fid_steps)
-            self.fid = InTrainingFid(run, self.accelerator.device, cfg.data.num_workers)
+            self.fid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.fid_steps)
 
     def after_step(self, trainer, last: bool, epoch_end: bool) -> Optional[dict]:
         run, step = self.cfg.train, trainer.step
@@ -316,11 +310,12 @@ class DiTTask:
         if not self._samplers_built:
             self._build_samplers(trainer)
         metrics = None
-        if self.accelerator.is_main_process:
-            if grid:
-                save_grid(self.grid_sampler, self.cfg, trainer.run_dir / "samples" / f"step_{step:07d}.png")
-            if fid:
-                metrics = self.last_fid = self.fid(self.fid_sampler)
+        if grid and self.accelerator.is_main_process:
+            save_grid(self.grid_sampler, self.cfg, trainer.run_dir / "samples" / f"step_{step:07d}.png")
+        if fid:
+            metrics = self.fid(self.fid_sampler, self.accelerator)
+            if metrics is not None:
+                self.last_fid = metrics
                 trainer.bar.set_postfix(fd=f"{metrics['fid/fd']:.3f}")
         self.accelerator.wait_for_everyone()
         return metrics

@@ -188,3 +188,30 @@ def test_in_training_fid_config_errors(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main([*base, *overrides])
         assert message in capsys.readouterr().err
+
+
+def test_in_training_fid_sampled_by_two_processes_equals_sample_then_fid(tmp_path):
+    """Every process samples its share (chunks k, k + 2, ...) and the main one scores the gathered features: the
+    same number as diffusion.sample + diffusion.fid on the run's EMA, up to the batching of the feature pass."""
+    from common.checkpoint import save_weights
+    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
+    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, "optim.steps=2", "train.seed=5",
+            "train.fid_every=2", "train.fid_samples=24", "train.fid_batch_size=4", "train.fid_steps=3",
+            "train.fid_reference=fashion-mnist:test", "train.fid_feature_extractor=fmnist-cnn",
+            f"train.fid_extractor_weights={weights}", f"train.output_dir={tmp_path / 'two'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "diffusion.train", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (logged,) = [r for r in read_metrics(tmp_path / "two") if "fid/fd" in r]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        direct = sample_and_score(tmp_path / "two" / "ema.safetensors", tmp_path / "direct", num_samples=24, steps=3,
+                                  extractor_weights=weights, seed=5)
+    assert logged["fid/samples"] == 24
+    assert logged["fid/fd"] == pytest.approx(direct["metrics"]["fid"], rel=1e-4)
