@@ -43,7 +43,7 @@ import math
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -436,9 +436,66 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
     return {"outputs": {k: str(v) for k, v in outputs.items()}, "protocol": protocol}
 
 
-def run_grid(args, sampler: Sampler) -> dict:
-    from torchvision.utils import save_image
+def class_names(num_classes: int, pixel: bool = False, names: Optional[Sequence[str]] = None) -> List[str]:
+    """Readable class names for grid labels: ImageNet's descriptions for its 1000 classes (or for WordNet ids such as
+    ``n01440764``), Fashion-MNIST's for a 10-class pixel model, else the given names or the class numbers."""
+    from timm.data import ImageNetInfo
 
+    if names is not None and len(names) == num_classes:
+        if all(str(n).startswith("n") and str(n)[1:].isdigit() for n in names):
+            info = ImageNetInfo()
+            return [info.label_name_to_description(str(n)).split(",")[0] for n in names]
+        return [str(n) for n in names]
+    if num_classes == 1000:
+        info = ImageNetInfo()
+        return [info.index_to_description(i).split(",")[0] for i in range(1000)]
+    if num_classes == 10 and pixel:
+        from common.data import FASHION_MNIST_CLASSES
+
+        return list(FASHION_MNIST_CLASSES)
+    return [str(i) for i in range(num_classes)]
+
+
+def write_grid(images: Tensor, labels: Sequence[int], path, names: Sequence[str], nrow: Optional[int] = None,
+               min_tile: int = 128) -> Path:
+    """A PNG grid people can read: tiles upscaled (nearest, by a whole factor) to at least ``min_tile`` pixels, and
+    class names written on it -- at the left of each row when a row holds one class, else under each tile."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = images.permute(0, 2, 3, 1).numpy()  # uint8 NHWC
+    n, h, w, c = images.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    rows = [list(range(i, min(i + nrow, n))) for i in range(0, n, nrow)]
+    scale = max(1, math.ceil(min_tile / max(h, w)))
+    th, tw, pad = h * scale, w * scale, 4
+    font = ImageFont.load_default(size=14)
+    text = lambda i: names[int(labels[i])]  # noqa: E731
+    by_row = all(len({int(labels[i]) for i in row}) == 1 for row in rows) and len(rows) > 1
+    margin = max(int(font.getlength(text(row[0]))) for row in rows) + 2 * pad if by_row else 0
+    caption = 0 if by_row else 18
+    grid = Image.new("RGB", (margin + nrow * (tw + pad) + pad, len(rows) * (th + pad + caption) + pad), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, row in enumerate(rows):
+        y = pad + r * (th + pad + caption)
+        if by_row:
+            draw.text((pad, y + th // 2), text(row[0]), fill="black", font=font, anchor="lm")
+        for k, i in enumerate(row):
+            x = margin + pad + k * (tw + pad)
+            tile = Image.fromarray(images[i][..., 0] if c == 1 else images[i]).convert("RGB")
+            grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
+            if not by_row:
+                label = text(i)
+                while font.getlength(label) > tw and len(label) > 1:
+                    label = label[:-1]
+                draw.text((x + tw // 2, y + th + 2), label, fill="black", font=font, anchor="mt")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp:
+        grid.save(tmp, format="PNG")
+    return path
+
+
+def run_grid(args, sampler: Sampler) -> dict:
     num_classes = sampler.spec.num_classes
     if args.labels:
         labels = [int(v) for v in args.labels.split(",")]
@@ -450,9 +507,8 @@ def run_grid(args, sampler: Sampler) -> dict:
     images = torch.cat([sampler(torch.arange(i, min(i + args.batch_size, len(labels))),
                                 torch.tensor(labels[i: i + args.batch_size]))
                         for i in range(0, len(labels), args.batch_size)])
-    path = Path(args.grid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(images.float() / 255.0, path, nrow=args.nrow or math.ceil(math.sqrt(len(images))))
+    names = class_names(num_classes, pixel=sampler.spec.autoencoder == "none")
+    path = write_grid(images, labels, args.grid, names, nrow=args.nrow)
     return {"grid": str(path), "labels": labels}
 
 

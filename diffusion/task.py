@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,14 +181,15 @@ def eval_mode(model):
 
 
 @torch.no_grad()
-def save_grid(sampler, cfg: TrainConfig, path: Path) -> None:
-    from torchvision.utils import save_image
+def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
+    """Sample ``i`` of class ``i % num_classes``, fixed noise: the same grid at every step, upscaled and labelled."""
+    from diffusion.sample import write_grid
 
     indices = torch.arange(cfg.train.sample_count)
+    labels = indices % cfg.data.num_classes
     with eval_mode(sampler.model):
-        images = sampler(indices, indices % cfg.data.num_classes)  # uint8 (B, C, H, W)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(images.float() / 255.0, path, nrow=int(math.ceil(math.sqrt(len(images)))))
+        images = sampler(indices, labels)  # uint8 (B, C, H, W)
+    write_grid(images, labels.tolist(), path, names)
 
 
 class InTrainingFid:
@@ -298,6 +298,10 @@ class DiTTask:
         if run.sample_every and main:
             self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.sample_steps,
                                               run.sample_cfg_scale)
+            from diffusion.sample import class_names
+
+            listed = getattr(getattr(self.train_set.images, "moments", None), "metadata", {}).get("classes")
+            self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none", names=listed)
         if run.fid_every:
             self.fid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.fid_steps)
 
@@ -311,7 +315,7 @@ class DiTTask:
             self._build_samplers(trainer)
         metrics = None
         if grid and self.accelerator.is_main_process:
-            save_grid(self.grid_sampler, self.cfg, trainer.run_dir / "samples" / f"step_{step:07d}.png")
+            save_grid(self.grid_sampler, self.cfg, trainer.run_dir / "samples" / f"step_{step:07d}.png", self.grid_names)
         if fid:
             metrics = self.fid(self.fid_sampler, self.accelerator)
             if metrics is not None:

@@ -93,7 +93,7 @@ def demo_dit(out_dir: Path, args) -> tuple:
         speeds = [r["train/images_per_s"] for r in records if "train/images_per_s" in r]
         checkpoint = run_dir / "ema.safetensors"
         sample.main(["--checkpoint", str(checkpoint), "--grid", str(out_dir / f"dit_{topology}_grid.png"),
-                     "--labels", ",".join(str(i % 10) for i in range(30)), "--nrow", "10",
+                     "--labels", ",".join(str(c) for c in range(10) for _ in range(6)), "--nrow", "6",  # a row per class
                      "--steps", str(args.sample_steps), "--quiet"])
         scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=args.fid_samples,
                                   steps=args.sample_steps)

@@ -147,7 +147,8 @@ def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tm
     final = train(cfg)
     assert final["steps"] == 2 and final["loss"] > 0
     grid = Image.open(tmp_path / "run" / "samples" / "step_0000002.png")
-    assert grid.size == (2 * 32 + 3 * 2, 32 + 2 * 2)  # two decoded 32 px RGB images with torchvision's padding
+    # two decoded 32 px RGB images, upscaled x4, 4 px padding, each captioned with its class
+    assert grid.size == (2 * (128 + 4) + 4, 128 + 4 + 18 + 4)
     with pytest.raises(ValueError, match="data.num_classes=10"):
         train(load_config(TrainConfig, os.path.join(root, "configs/dit_b2_siamese.yaml"), [
             f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=10", "train.sample_every=0",

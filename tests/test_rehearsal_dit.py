@@ -99,9 +99,9 @@ def test_train_the_recipe_on_the_latents_with_sample_grids(chain):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["train/loss"]) and r["train/vb"] > 0 for r in records)  # MSE + VLB (learned sigma)
     assert list((out / "tb").rglob("events.out.tfevents.*"))
-    for step in (2, 4):  # 4 decoded 256 px images, 2 per row, torchvision's 2 px padding
+    for step in (2, 4):  # 4 decoded 256 px images, 2 per row, 4 px padding, a class caption under each
         with Image.open(out / "samples" / f"step_{step:07d}.png") as grid:
-            assert grid.size == (2 * 256 + 3 * 2,) * 2
+            assert grid.size == (2 * (256 + 4) + 4, 2 * (256 + 4 + 18) + 4)
     with safe_open(str(out / "ema.safetensors"), "pt") as f:
         meta = f.metadata()
     assert (meta["input_size"], meta["in_channels"], meta["learn_sigma"], meta["autoencoder"]) == \

@@ -248,8 +248,8 @@ def test_grid_through_a_tiny_vae_and_clear_errors(tmp_path):
     out = main(["--checkpoint", str(ckpt), "--grid", str(tmp_path / "grid.png"), "--labels", "0,1,2,3,4,4",
                 "--steps", "3", "--cfg-scale", "1.5", "--nrow", "3", "--quiet"])
     assert out["labels"] == [0, 1, 2, 3, 4, 4]
-    with Image.open(tmp_path / "grid.png") as grid:  # 2 rows x 3 images of 8 px, torchvision's 2 px padding
-        assert grid.size == (3 * 10 + 2, 2 * 10 + 2)
+    with Image.open(tmp_path / "grid.png") as grid:  # 2 rows x 3 images of 8 px upscaled x16, 4 px padding, captions
+        assert grid.size == (3 * (128 + 4) + 4, 2 * (128 + 4 + 18) + 4)
 
     with pytest.raises(SystemExit, match=r"--labels \[7\] are outside \[0, 5\)"):
         main(["--checkpoint", str(ckpt), "--grid", str(tmp_path / "g.png"), "--labels", "7", "--steps", "2"])
@@ -350,3 +350,27 @@ def test_pngs_are_rewritten_atomically_and_every_output_is_fsynced(tiny, tmp_pat
     assert not list((out / "images").glob("*.tmp"))
     with Image.open(png) as img:
         assert np.array_equal(np.asarray(img), np.load(out / "samples.npz")["arr_0"][3, ..., 0])
+
+
+def test_grids_are_upscaled_and_labelled_with_class_names(tmp_path):
+    from PIL import Image
+
+    from diffusion.sample import class_names, write_grid
+
+    assert class_names(10, pixel=True)[9] == "Ankle boot"
+    assert class_names(1000)[207] == "golden retriever"
+    assert class_names(2, names=["n01440764", "n02099601"]) == ["tench", "golden retriever"]
+    assert class_names(3) == ["0", "1", "2"]
+    images = torch.zeros(6, 1, 28, 28, dtype=torch.uint8)
+    images[:, :, 10:18, 10:18] = 255  # a white square in each tile
+    by_row = write_grid(images, [0, 0, 0, 9, 9, 9], tmp_path / "rows.png", class_names(10, pixel=True), nrow=3)
+    with Image.open(by_row) as grid:
+        width, height = grid.size
+        pixels = np.asarray(grid.convert("L"))
+    assert height == 2 * (140 + 4) + 4  # 28 px tiles upscaled x5 to 140 >= 128, no captions
+    left = pixels[:, : width - 3 * 144 - 4]  # the label margin holds dark text in both rows
+    assert (left[:144] < 128).any() and (left[144:] < 128).any()
+    assert (pixels > 250).sum() > 6 * (8 * 5) ** 2  # the white squares, upscaled
+    tiles = write_grid(images, [0, 1, 2, 3, 4, 5], tmp_path / "tiles.png", class_names(10, pixel=True), nrow=3)
+    with Image.open(tiles) as grid:
+        assert grid.size[1] == 2 * (140 + 4 + 18) + 4  # a caption under every tile
