@@ -53,9 +53,12 @@ class VAENotFoundError(FileNotFoundError):
     """The VAE is neither a local directory nor in the Hugging Face cache."""
 
 
-def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False):
+def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False, option: str = "--vae"):
     """diffusers ``AutoencoderKL`` from a local directory (a VAE folder, or a pipeline folder with a
-    ``vae/`` subfolder) or from the Hugging Face cache; downloads only when ``allow_download``."""
+    ``vae/`` subfolder) or from the Hugging Face cache; downloads only when ``allow_download``.
+
+    ``option`` is how the caller's user names the VAE (``--vae`` on a command line, ``data.autoencoder`` in a
+    training config), for the error message."""
     from diffusers import AutoencoderKL
 
     path = Path(path_or_id).expanduser()
@@ -70,12 +73,13 @@ def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False):
         from huggingface_hub.constants import HF_HUB_CACHE
 
         where = f"directory {path}" if path.is_dir() else f"neither a local directory nor in the Hugging Face cache {HF_HUB_CACHE}"
+        given = f"{option}=DIR" if option.startswith(("data.", "train.")) else f"{option} DIR"
+        download = "; --allow-download fetches it when this machine has internet" if option == "--vae" else ""
         raise VAENotFoundError(
-            f"cannot load the VAE {path_or_id!r}: {where} ({str(err).splitlines()[0]}). Provide it with --vae DIR, a "
+            f"cannot load the VAE {path_or_id!r}: {where} ({str(err).splitlines()[0]}). Provide it with {given}, a "
             "directory holding config.json and diffusion_pytorch_model.safetensors (on a machine with internet: "
-            f"`huggingface-cli download {DEFAULT_VAE} --local-dir sd-vae-ft-ema`, then copy the folder here), or "
-            "place it in the Hugging Face cache (HF_HOME) and pass its id; --allow-download fetches it when this "
-            "machine has internet."
+            f"`hf download {DEFAULT_VAE} --local-dir sd-vae-ft-ema`, then copy the folder here), or place it in the "
+            f"Hugging Face cache (HF_HOME) and pass its id{download}."
         ) from err
 
 

@@ -267,10 +267,10 @@ def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[tor
 class Decoder:
     """Model outputs -> uint8 images ``[B, C, H, W]``: through the VAE (``x / scaling_factor``) or as pixels."""
 
-    def __init__(self, autoencoder: str, device):
+    def __init__(self, autoencoder: str, device, option: str = "--vae"):
         self.vae, self.scaling_factor = None, 1.0
         if autoencoder != "none":
-            self.vae = load_vae(autoencoder).to(device).eval().requires_grad_(False)
+            self.vae = load_vae(autoencoder, option=option).to(device).eval().requires_grad_(False)
             self.scaling_factor = float(self.vae.config.scaling_factor)
 
     @torch.no_grad()

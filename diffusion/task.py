@@ -149,7 +149,7 @@ def build_decoder(cfg: TrainConfig, device):
     from diffusion.sample import Decoder
 
     try:
-        return Decoder(cfg.data.autoencoder, device)
+        return Decoder(cfg.data.autoencoder, device, option="data.autoencoder")
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err} Or set train.sample_every=0 and train.fid_every=0 to train without "
                                 "sample grids and in-training FID.") from err
@@ -258,8 +258,10 @@ class DiTTask:
                                            cfg.diffusion.beta_end, learn_sigma=cfg.model.learn_sigma).to(accelerator.device)
         self.grid_sampler = self.fid_sampler = None
         self._samplers_built = False
-        # Built now, before any training, so that a wrong reference or weights file is an error up front.
-        self.fid = InTrainingFid(cfg.train, accelerator.device, cfg.data.num_workers) if cfg.train.fid_every else None
+        # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
+        run, main = cfg.train, accelerator.is_main_process
+        self.decoder = build_decoder(cfg, accelerator.device) if run.fid_every or (run.sample_every and main) else None
+        self.fid = InTrainingFid(run, accelerator.device, cfg.data.num_workers) if run.fid_every else None
 
     def build_feed(self, sampler, batch_size: int, device):
         return trainer.default_feed(self.train_set, sampler, batch_size, self.num_workers, device)
@@ -286,15 +288,15 @@ class DiTTask:
         return {}
 
     def _build_samplers(self, trainer) -> None:
-        """The decoder (VAE) and samplers, once, when first needed: the grid sampler on the main process, the FID
-        sampler on every process (in-training FID samples on all of them)."""
+        """The samplers, once, when first needed: the grid sampler on the main process, the FID sampler on every
+        process (in-training FID samples on all of them)."""
         cfg, run, device = self.cfg, self.cfg.train, self.accelerator.device
         self._samplers_built = True
         main = self.accelerator.is_main_process
         if not (run.fid_every or (run.sample_every and main)):
             return
         weights = trainer.ema.module if trainer.ema is not None else bare_model(trainer.model)
-        decoder = build_decoder(cfg, device)
+        decoder = self.decoder
         if run.sample_every and main:
             self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.sample_steps,
                                               run.sample_cfg_scale)

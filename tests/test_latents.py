@@ -154,6 +154,12 @@ def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tm
             f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=10", "train.sample_every=0",
             f"train.output_dir={tmp_path / 'bad'}"]))
     assert not (tmp_path / "bad").exists(), "nothing is written for a config that does not fit the data"
+    # A missing VAE for the grids is an error before any step, naming the setting and the download command.
+    with pytest.raises(FileNotFoundError, match=r"data\.autoencoder=DIR.*hf download.*train\.sample_every=0"):
+        train(load_config(TrainConfig, os.path.join(root, "configs/dit_b2_siamese.yaml"), [
+            f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=2", "data.autoencoder=/no/vae",
+            f"train.output_dir={tmp_path / 'novae'}"]))
+    assert not (tmp_path / "novae" / "checkpoints").exists()
 
 
 def test_one_view_read_equals_the_two_view_read(setup, tmp_path):
