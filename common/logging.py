@@ -23,6 +23,8 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from common.durable import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 TRACKER_NAME = "tb"
 
@@ -97,9 +99,7 @@ def _truncate_records(path: Path, last_step: int) -> None:
             continue
         if int(record.get("step", 0)) <= last_step:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def progress_bar(accelerator, total: int, initial: int = 0, desc: str = "train"):

@@ -36,6 +36,7 @@ from common.cli import InputError
 from common.config import config_to_dict, flatten, save_config
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
+from common.durable import atomic_write_text
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
 from common.train_state import (CheckpointManager, RunLock, RunLockedError, capture_rng_state, preserved_rng,
@@ -449,9 +450,7 @@ class Trainer:
             save_weights(self.model, self.run_dir / "model.safetensors", metadata=meta)
             if self.ema is not None:
                 save_weights(self.ema.module, self.run_dir / "ema.safetensors", metadata=meta)
-            tmp = self.run_dir / (FINAL_METRICS_FILE + ".tmp")
-            tmp.write_text(json.dumps(final, indent=2))
-            tmp.replace(self.run_dir / FINAL_METRICS_FILE)
+            atomic_write_text(self.run_dir / FINAL_METRICS_FILE, json.dumps(final, indent=2))
         accelerator.wait_for_everyone()
         return final
 

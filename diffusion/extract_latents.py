@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from common.durable import atomic_write_text
 from diffusion.latents import (
     DEFAULT_VAE,
     FORMAT,
@@ -148,9 +149,7 @@ def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_
         "shards": shards,
         "skipped": skipped,
     }
-    tmp = out / (METADATA_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / METADATA_FILE)
+    atomic_write_text(out / METADATA_FILE, json.dumps(meta, indent=1))
     return meta
 
 

@@ -24,6 +24,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from common.durable import atomic_write
+
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 METADATA_FILE = "metadata.json"
 FORMAT = "siamesenorm-latents-v1"
@@ -221,9 +223,8 @@ def write_shard(path: Path, mean, logvar, labels, indices, skipped: Sequence[str
         "index": torch.as_tensor(indices, dtype=torch.long),
     }
     meta = dict(settings, skipped=json.dumps(list(skipped)))
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
 
 
 def read_shard_header(path: Path) -> Optional[dict]:

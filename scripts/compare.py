@@ -20,12 +20,13 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from common.durable import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILE = "result.json"
@@ -110,9 +111,7 @@ def detect_divergence(records: Sequence[dict], error: Optional[str] = None) -> d
 # ----------------------------------------------------------------------------- one run per task
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1))
 
 
 def _imagefolder_overrides(path: str, image_size: int) -> List[str]:

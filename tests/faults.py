@@ -45,9 +45,10 @@ def install(point: str, nth: int) -> None:
 
                 buffer = io.BytesIO()
                 original_save(obj, buffer, *args, **kwargs)
-                f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-                f.flush()
-                os.fsync(f.fileno())
+                with open(f, "wb") if isinstance(f, (str, os.PathLike)) else f as out:  # a path or an open file
+                    out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+                    out.flush()
+                    os.fsync(out.fileno())
                 die()
             return original_save(obj, f, *args, **kwargs)
 
