@@ -36,10 +36,11 @@ import os
 import random
 import struct
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -47,6 +48,19 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                          "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 _SPLIT_PREFIX = {"train": "train", "test": "t10k", "val": "t10k"}
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+# ----------------------------------------------------------------------------- ADM center crop
+def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
+    """ADM's crop: halve with a box filter while the short side is >= 2x the target, resize the
+    short side to ``image_size`` with bicubic, then take the central square."""
+    while min(image.size) >= 2 * image_size:
+        image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
+    scale = image_size / min(image.size)
+    image = image.resize(tuple(round(s * scale) for s in image.size), resample=Image.BICUBIC)
+    left = (image.size[0] - image_size) // 2
+    top = (image.size[1] - image_size) // 2
+    return image.crop((left, top, left + image_size, top + image_size))
 
 
 # ----------------------------------------------------------------------------- Fashion-MNIST
@@ -115,8 +129,6 @@ class FashionMNIST(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int):
-        from PIL import Image
-
         image = Image.fromarray(self.images[index])  # uint8 HxW -> mode "L"
         if self.mode != "L":
             image = image.convert(self.mode)

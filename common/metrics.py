@@ -54,6 +54,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
+from common.data import center_crop_arr
 from common.durable import atomic_write
 from common.feature_extractors import INCEPTION, build_feature_extractor, default_layer, registered_class
 
@@ -71,7 +72,7 @@ DIT_METRICS = ("fid", "sfid", "is", "pr")  # the columns of the DiT tables (pr g
 ADM_IS_SPLIT_SIZE = 5000
 ADM_PR_NEIGHBOURS = 3
 ADM_REFERENCE_IMAGES = 10000  # images in ADM's reference batches (arr_0), used for Precision/Recall
-CENTER_CROP_METHOD = ("ADM's center_crop_arr (diffusion.latents): halve with a box filter while the short side is "
+CENTER_CROP_METHOD = ("ADM's center_crop_arr (common.data): halve with a box filter while the short side is "
                       ">= 2x the size, bicubic resize of the short side to the size, central square")
 
 
@@ -327,8 +328,6 @@ class _FolderDataset(Dataset):
                         "from a raw folder, pass --center-crop SIZE)")
                 img = img.convert("RGB")  # decodes now: a truncated file fails here
             if self.center_crop is not None:
-                from diffusion.latents import center_crop_arr  # the one ADM crop, shared with extract_latents
-
                 img = center_crop_arr(img, self.center_crop)
             array = np.asarray(img)
         except Exception as err:  # noqa: BLE001 - PIL raises many types for broken files

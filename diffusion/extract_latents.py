@@ -22,12 +22,12 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from common.data import center_crop_arr
 from common.durable import atomic_write_text
 from diffusion.latents import (
     DEFAULT_VAE,
     FORMAT,
     METADATA_FILE,
-    center_crop_arr,
     encode_moments,
     image_to_tensor,
     load_vae,

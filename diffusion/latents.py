@@ -32,18 +32,6 @@ FORMAT = "siamesenorm-latents-v1"
 
 
 # ------------------------------------------------------------------------------------------- images
-def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
-    """ADM's crop: halve with a box filter while the short side is >= 2x the target, resize the
-    short side to ``image_size`` with bicubic, then take the central square."""
-    while min(image.size) >= 2 * image_size:
-        image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
-    scale = image_size / min(image.size)
-    image = image.resize(tuple(round(s * scale) for s in image.size), resample=Image.BICUBIC)
-    left = (image.size[0] - image_size) // 2
-    top = (image.size[1] - image_size) // 2
-    return image.crop((left, top, left + image_size, top + image_size))
-
-
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
     """RGB PIL image -> float tensor (3, H, W) in [-1, 1]."""
     arr = np.asarray(image.convert("RGB"), dtype=np.float32)

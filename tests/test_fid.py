@@ -184,7 +184,7 @@ def direct_frechet(a, mu2, sigma2):
 def test_dit_metric_set_in_one_pass_against_a_raw_folder_reference(tmp_path, inception_weights, monkeypatch):
     """--save-stats --center-crop on a raw folder of mixed sizes, then the default metrics (FID, sFID, IS,
     Precision, Recall) of 6 samples in one pass, each against an independent re-statement."""
-    from diffusion.latents import center_crop_arr
+    from common.data import center_crop_arr
 
     rng = np.random.default_rng(3)
     raw = tmp_path / "raw" / "n01440764"

@@ -9,11 +9,11 @@ from diffusers import AutoencoderKL
 from PIL import Image
 from safetensors.torch import load_file
 
+from common.data import center_crop_arr
 from diffusion.extract_latents import main as extract_main
 from diffusion.latents import (
     LatentDataset,
     VAENotFoundError,
-    center_crop_arr,
     encode_moments,
     image_to_tensor,
     load_vae,

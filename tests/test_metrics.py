@@ -343,7 +343,7 @@ def test_reference_statistics_of_a_raw_folder_streamed_and_resumed(tmp_path, mon
     """--save-stats on a folder of JPEG/PNG of mixed sizes with ADM's center crop: statistics equal those of the
     cropped images computed directly; a kill between shards resumes to the same file; a broken file is skipped."""
     import common.metrics as metrics
-    from diffusion.latents import center_crop_arr
+    from common.data import center_crop_arr
 
     torch.manual_seed(0)
     weights = save_weights(FashionMNISTClassifier(), tmp_path / "w.safetensors")

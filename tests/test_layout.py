@@ -1,0 +1,34 @@
+"""The package arrows the layout promises: common/ serves both families and imports neither; vision/ and
+diffusion/ never import each other. A crossed arrow is how a second copy of an idea starts."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {"common": {"vision", "diffusion"}, "vision": {"diffusion"}, "diffusion": {"vision"}}
+
+
+def imported_packages(path: Path) -> set:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):  # function-level (lazy) imports count too
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_respect_the_layout(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no sources under {package}/"
+    crossed = {str(f.relative_to(ROOT)): sorted(imported_packages(f) & FORBIDDEN[package]) for f in files}
+    assert not {f: p for f, p in crossed.items() if p}, f"{package}/ must not import {sorted(FORBIDDEN[package])}"
+
+
+def test_the_scan_sees_lazy_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from diffusion.latents import load_vae\n")
+    assert imported_packages(f) == {"diffusion"}
