@@ -4,8 +4,9 @@
         run(cfg)
 
 Errors about the user's input -- a setting, a missing file or dataset, a damaged or incompatible checkpoint,
-a locked run directory, a diverged run -- end the process with status 2 and their message instead of a
-traceback. Anything else (a bug) keeps its traceback.
+a locked run directory, a diverged run, and the error types an entry point names -- end the process with
+status 2 (argparse's status for bad arguments) and their message instead of a traceback. Anything else (a
+bug) keeps its traceback.
 """
 from __future__ import annotations
 
@@ -39,12 +40,26 @@ def is_input_error(err: BaseException) -> bool:
     return type(err) is ValueError and _raised_by_project(err)
 
 
+class InputExit(SystemExit):
+    """Exit status 2 that still reads as its message (``str(exit)``) to a caller that catches it."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @contextlib.contextmanager
-def one_line_errors():
+def one_line_errors(*input_errors: type):
+    """Turn input errors (and ``input_errors``, an entry point's own error types) into ``error: ...`` on
+    stderr and exit status 2."""
     try:
         yield
     except Exception as err:
-        if not is_input_error(err):
+        if not (isinstance(err, input_errors) or is_input_error(err)):
             raise
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        message = f"error: {err}"
+        print(message, file=sys.stderr)
+        raise InputExit(message) from None

@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from common.cli import one_line_errors
 from common.data import center_crop_arr
 from common.durable import atomic_write_text
 from diffusion.latents import (
@@ -216,10 +217,8 @@ def extract(args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
+    with one_line_errors(ExtractionError):
         return extract(args)
-    except (FileNotFoundError, ExtractionError) as err:
-        raise SystemExit(f"error: {err}") from err
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli import one_line_errors
 from common.durable import atomic_write_text
 from common.feature_extractors import INCEPTION, FeatureExtractorError
 from common.metrics import (
@@ -138,10 +139,8 @@ def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, refer
 
 def main(argv=None, echo: bool = True) -> dict:
     args = parse_args(argv)
-    try:
+    with one_line_errors(MetricsError, FeatureExtractorError):
         result = run(args)
-    except (MetricsError, FeatureExtractorError) as err:
-        raise SystemExit(f"error: {err}") from err
     text = json.dumps(result, indent=2)
     if args.out is not None:
         atomic_write_text(args.out, text + "\n")

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from common.checkpoint import CheckpointError, load_weights, read_file
+from common.cli import one_line_errors
 from common.durable import atomic_write, atomic_write_text
 from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
 from diffusion.gaussian_diffusion import SPACINGS, GaussianDiffusion
@@ -578,7 +579,7 @@ def main(argv=None) -> Optional[dict]:
     args = parse_args(argv)
     from accelerate import PartialState
 
-    try:
+    with one_line_errors(SamplingError, MetricsError):
         check_args(args)
         build_diffusion(args, learn_sigma=True)  # a step count the spacing cannot give fails before any loading
         state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
@@ -597,8 +598,6 @@ def main(argv=None) -> Optional[dict]:
             result = run_grid(args, sampler) if state.is_main_process else None
         else:
             result = run_num_samples(args, sampler, state)
-    except (SamplingError, CheckpointError, MetricsError, FileNotFoundError) as err:
-        raise SystemExit(f"error: {err}") from err
     if result is not None and not args.quiet:
         print(json.dumps(result, indent=2, default=str))
     return result

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from common.cli import InputError, one_line_errors
 from common.durable import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def _imagefolder_overrides(path: str, image_size: int) -> List[str]:
     root = Path(path)
     train_dir = root / "train"
     if not train_dir.is_dir():
-        raise SystemExit(f"error: --data {path}: expected an ImageFolder root with train/<class>/ and val/<class>/ "
+        raise InputError(f"--data {path}: expected an ImageFolder root with train/<class>/ and val/<class>/ "
                          "(or pass fashion_mnist)")
     classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
     return [f"data.path={path}", f"data.num_classes={len(classes)}", f"data.input_size={image_size}"]
@@ -176,7 +177,7 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     from diffusion.train import TrainConfig, train
 
     if opts.data != "fashion_mnist":
-        raise SystemExit("error: --task dit compares on Fashion-MNIST pixels only (its FID features are the "
+        raise InputError("--task dit compares on Fashion-MNIST pixels only (its FID features are the "
                          "Fashion-MNIST classifier's); for latents use diffusion.train and diffusion.fid directly")
     overrides = [f"model.topology={spec.topology}", f"model.kwargs.depth={spec.depth}", f"optim.lr={spec.lr}",
                  f"train.seed={spec.seed}", f"train.output_dir={run_dir}", "train.tensorboard=false",
@@ -243,7 +244,7 @@ def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
         before = json.loads(settings_file.read_text())
         changed = {k: (before.get(k), v) for k, v in json.loads(json.dumps(settings)).items() if before.get(k) != v}
         if changed:
-            raise SystemExit(f"error: {run_dir} was made with other settings ("
+            raise InputError(f"{run_dir} was made with other settings ("
                              + ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items())
                              + "); use another --out, or delete that run directory to redo it")
     if done.is_file():
@@ -573,8 +574,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> Path:
-    from common.cli import one_line_errors
-
     argv = sys.argv[1:] if argv is None else argv
     opts = parse_args(argv)
     with one_line_errors():  # e.g. a data folder smaller than one batch: one line, not a traceback

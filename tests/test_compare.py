@@ -65,8 +65,9 @@ def test_report_of_two_finished_runs(finished):
 def test_a_finished_run_made_with_other_settings_is_not_reused(finished):
     out, _ = finished
     args = [a if a != "256" else "128" for a in TINY]  # --train-images 128 instead of 256
-    with pytest.raises(SystemExit, match="train_images: 256 then, 128 now"):
+    with pytest.raises(SystemExit, match="train_images: 256 then, 128 now") as exit_info:
         main(args + ["--topologies", "pre", "--lrs", "1e-3", "--seeds", "0", "--out", str(out)])
+    assert exit_info.value.code == 2
 
 
 @pytest.mark.fashion_mnist

@@ -102,8 +102,9 @@ def test_inception_weights_from_torch_fidelity_cache_or_clear_error(tmp_path, mo
 
 def test_cli_reports_bad_inputs(tmp_path, inception_weights):
     samples = write_folder(tmp_path / "samples", seed=0, n=3, size=16)
-    with pytest.raises(SystemExit, match="does not exist"):
+    with pytest.raises(SystemExit, match="does not exist") as exit_info:
         run_cli("--samples", samples, "--reference", samples, "--extractor-weights", tmp_path / "nope.pth")
+    assert exit_info.value.code == 2  # every entry point: bad input is status 2, as argparse's
     torch.save({"fc.weight": torch.zeros(10, 2048)}, tmp_path / "wrong.pth")
     with pytest.raises(SystemExit, match="not torch-fidelity's Inception-v3"):
         run_cli("--samples", samples, "--reference", samples, "--extractor-weights", tmp_path / "wrong.pth")

@@ -97,8 +97,9 @@ def test_missing_vae_and_bad_folder_errors(setup, tmp_path):
         load_vae(str(tmp_path / "no-such-vae"))
     with pytest.raises(VAENotFoundError, match="Hugging Face cache"):
         load_vae("nobody/no-such-vae")
-    with pytest.raises(SystemExit, match="not an ImageFolder"):
+    with pytest.raises(SystemExit, match="not an ImageFolder") as exit_info:
         extract_main(["--data-path", str(setup / "images" / "cat"), "--vae", str(setup / "vae"), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
     with pytest.raises(FileNotFoundError, match="extract_latents"):
         LatentDataset(tmp_path)
 

@@ -260,8 +260,9 @@ def test_grid_through_a_tiny_vae_and_clear_errors(tmp_path):
     with pytest.raises(SystemExit, match="checkpoint does not match DiT"):  # right name, wrong sizes
         main(["--checkpoint", str(plain), "--model", "DiT-S/4", "--image-size", "8", "--vae", "none",
               "--num-classes", "5", "--grid", str(tmp_path / "g.png")])
-    with pytest.raises(SystemExit, match="choose one output"):
+    with pytest.raises(SystemExit, match="choose one output") as exit_info:
         main(["--checkpoint", str(ckpt)])
+    assert exit_info.value.code == 2
     with pytest.raises(SystemExit, match="cannot load the VAE"):
         main(["--checkpoint", str(ckpt), "--vae", str(tmp_path / "no_vae"), "--grid", str(tmp_path / "g.png")])
 
