@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from common.checkpoint import save_weights
+from common.cli import InputError, one_line_errors
 from common.data import load_fashion_mnist
 from common.feature_extractors import FashionMNISTClassifier, fmnist_preprocess, fmnist_weights_path
 
@@ -31,7 +32,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (cosine decay to 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="train on the first N images only (quick checks)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+    return args
 
 
 @torch.no_grad()
@@ -54,7 +60,8 @@ def train(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     steps_per_epoch = len(train_x) // args.batch_size
     if steps_per_epoch == 0:
-        raise SystemExit(f"--batch-size {args.batch_size} is larger than the {len(train_x)} training images")
+        raise InputError(f"--batch-size {args.batch_size} is larger than the {len(train_x)} training images; "
+                         "pass a smaller --batch-size or a larger --limit")
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
     generator = torch.Generator().manual_seed(args.seed)
     for epoch in range(args.epochs):
@@ -79,7 +86,9 @@ def train(args) -> dict:
 
 
 def main(argv=None):
-    return train(parse_args(argv))
+    args = parse_args(argv)
+    with one_line_errors():  # e.g. Fashion-MNIST not installed: one line naming 'make data'
+        return train(args)
 
 
 if __name__ == "__main__":

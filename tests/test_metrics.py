@@ -200,6 +200,31 @@ def test_fmnist_extractor_loads_given_weights_and_reports_missing_ones(tmp_path,
         build_feature_extractor("fmnist-cnn", ["2048"], weights=weights)
 
 
+@pytest.mark.fashion_mnist
+def test_the_classifier_script_trains_weights_the_extractor_loads(tmp_path, monkeypatch, capsys):
+    from safetensors import safe_open
+
+    from scripts.train_fmnist_classifier import main as train_classifier
+
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
+    result = train_classifier(["--limit", "512", "--epochs", "2", "--batch-size", "64", "--lr", "3e-3"])
+    losses = [float(line.split("loss ")[1].split()[0]) for line in capsys.readouterr().out.splitlines()
+              if line.startswith("epoch")]
+    assert len(losses) == 2 and losses[1] < losses[0] < 2.31  # learns from chance level (ln 10 = 2.30)
+    assert result["path"] == tmp_path / "cache" / "fmnist_cnn.safetensors" and result["test_accuracy"] > 0.3
+    with safe_open(str(result["path"]), "pt") as f:
+        assert f.metadata()["train_images"] == "512"
+    extractor = build_feature_extractor("fmnist-cnn", ["logits"])  # found in the cache without --weights
+    assert extractor(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))[0].shape == (2, 10)
+
+    with pytest.raises(SystemExit, match="larger than the 32 training images") as exit_info:
+        train_classifier(["--limit", "32", "--batch-size", "64", "--out", str(tmp_path / "x.safetensors")])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        train_classifier(["--epochs", "0"])
+    assert exit_info.value.code == 2 and "--epochs must be at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.filterwarnings("ignore::scipy.linalg.LinAlgWarning")
 @pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")
 def test_compute_metrics_counts_and_reference_checks(tmp_path):
