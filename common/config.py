@@ -146,6 +146,11 @@ def _coerce(value: Any, tp, where: str) -> Any:
     if origin in (dict, Dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        glued = [k for k, v in value.items() if v is None and ":" in str(k)]  # YAML reads {a:1} as {"a:1": None}
+        if glued:
+            example = str(glued[0]).replace(":", ": ", 1)
+            raise ConfigError(f"{where} keys {glued} have no value: in YAML write `{{{example}}}` with a space after "
+                              f"the colon (or {where}.KEY=VALUE on the command line)")
         val_tp = args[1] if args else Any
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if tp is bool:

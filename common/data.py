@@ -274,7 +274,7 @@ class ResumableSampler(Sampler):
 
 
 def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int,
-                       persistent_workers: bool = True, prefetch_factor: Optional[int] = None) -> DataLoader:
+                       persistent_workers: bool = True) -> DataLoader:
     """Per-process training loader over a :class:`ResumableSampler`, items seeded per sample.
 
     The loader's own generator keeps it off the global torch RNG, so training randomness depends only on the
@@ -282,7 +282,7 @@ def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: 
     dataset re-pickling per epoch); the sampler still runs in the main process, so ``sampler.set_epoch`` before
     each ``iter(loader)`` selects the epoch and start position as before.
     """
-    workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor) if num_workers > 0 else {}
+    workers = dict(persistent_workers=persistent_workers) if num_workers > 0 else {}
     return DataLoader(SeededDataset(dataset), batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), generator=torch.Generator(),
                       **workers)

@@ -1,8 +1,9 @@
 """Durable file writes: after a kill or a power loss a path holds either its old content or its new content,
 never a torn or empty file.
 
-    with atomic_write("out/chunk_000003.npz") as tmp:   # any writer that takes a path or opens one
-        np.savez(tmp, images=images)
+    with atomic_write("out/model.safetensors") as tmp:   # any writer that takes a path or opens one
+        save_file(tensors, tmp)
+    atomic_savez("out/chunk_000003.npz", images=images)
     atomic_write_text("out/settings.json", json.dumps(settings))
 
 The new content goes to ``<name>.tmp`` next to the target, is flushed to disk (``fsync``), renamed over the
@@ -75,4 +76,13 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
 def atomic_write_text(path: PathLike, text: str) -> Path:
     with atomic_write(path) as tmp:
         tmp.write_text(text)
+    return Path(path)
+
+
+def atomic_savez(path: PathLike, **arrays) -> Path:
+    """``np.savez`` to exactly ``path`` (through an open file: numpy would append ``.npz`` to a bare name)."""
+    import numpy as np
+
+    with atomic_write(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
     return Path(path)

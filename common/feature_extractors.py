@@ -117,6 +117,25 @@ def file_sha256(path: PathLike) -> str:
     return digest.hexdigest()
 
 
+def write_random_inception(path: PathLike, seed: int = 0) -> Path:
+    """A weights file in the ``inception-v3-compat`` layout (torchvision's Inception-v3, 1008 classes) with seeded
+    random weights, He-initialised so activations stay O(1) through eval-mode BatchNorm: the real architecture and
+    cost, for benchmarks and tests on machines without the real weights (its metric values mean nothing)."""
+    import math
+
+    import torchvision
+
+    torch.manual_seed(seed)
+    model = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.normal_(module.weight, std=math.sqrt(2.0 / module.weight[0].numel()))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    return path
+
+
 # ----------------------------------------------------------------------------- Inception with ADM's sFID features
 
 class InceptionV3WithSpatial(FeatureExtractorInceptionV3):

@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
 from common.data import center_crop_arr
-from common.durable import atomic_write
+from common.durable import atomic_savez
 from common.feature_extractors import INCEPTION, build_feature_extractor, default_layer, registered_class
 
 PathLike = Union[str, os.PathLike]
@@ -110,12 +110,8 @@ class FeatureStatistics:
         return cls(x.mean(axis=0), np.cov(x, rowvar=False), count=len(x), **metadata)
 
     def save(self, path: PathLike) -> Path:
-        """Write an ADM-compatible ``.npz`` with only ``mu``, ``sigma`` and our metadata (atomically, fsynced);
-        :func:`save_reference_statistics` writes the full reference layout."""
-        path = _npz_path(path)
-        with atomic_write(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, mu=self.mu, sigma=self.sigma, **self._metadata())
-        return path
+        """An ADM-compatible ``.npz`` of these statistics alone (:func:`save_reference_statistics`)."""
+        return save_reference_statistics(path, self)
 
     def _metadata(self) -> dict:
         return {k: np.array(v) for k, v in (("count", self.count), ("feature_extractor", self.feature_extractor),
@@ -124,12 +120,7 @@ class FeatureStatistics:
     @classmethod
     def load(cls, path: PathLike) -> "FeatureStatistics":
         """The pool statistics (``mu``, ``sigma``) of a statistics file, ADM's or ours."""
-        path = Path(path)
-        with np.load(path, allow_pickle=False) as npz:
-            if "mu" not in npz.files or "sigma" not in npz.files:
-                raise MetricsError(f"{path} has no 'mu'/'sigma' entries (it has {npz.files}): not a statistics file")
-            meta = {k: npz[k].item() for k in ("count", "feature_extractor", "feature_layer") if k in npz.files}
-            return cls._from_npz(npz, path, "", **meta)
+        return load_reference_statistics(path).statistics
 
     @classmethod
     def _from_npz(cls, npz, path: Path, suffix: str, **meta) -> "FeatureStatistics":
@@ -609,15 +600,16 @@ def manifold_radii(features: torch.Tensor, k: int = ADM_PR_NEIGHBOURS, batch_siz
     itself counting as the 0-th (ADM's ``ManifoldEstimator.manifold_radii``), in row x column blocks."""
     if len(features) <= k:
         raise MetricsError(f"precision/recall need more than k={k} feature vectors per set, got {len(features)}")
+    features = features.to(device)  # once: 50k x 2048 float32 is 400 MB, moved blockwise it would be ~4 GB of copies
     radii = []
     for rows in features.split(batch_size):
-        rows, nearest = rows.to(device), None
+        nearest = None
         for cols in features.split(batch_size):
-            d = pairwise_distances(rows, cols.to(device), float16)
+            d = pairwise_distances(rows, cols, float16)
             d = d if nearest is None else torch.cat([nearest, d], dim=1)
             nearest = d.topk(min(k + 1, d.shape[1]), dim=1, largest=False).values  # sorted ascending
-        radii.append(nearest[:, k].cpu())
-    return torch.cat(radii)
+        radii.append(nearest[:, k])
+    return torch.cat(radii).cpu()
 
 
 def precision_recall(reference: torch.Tensor, samples: torch.Tensor, k: int = ADM_PR_NEIGHBOURS,
@@ -625,16 +617,17 @@ def precision_recall(reference: torch.Tensor, samples: torch.Tensor, k: int = AD
     """ADM's improved Precision and Recall (Kynkaanniemi et al. 2019) of ``samples`` against ``reference`` features:
     precision = share of samples within the k-NN radius of some reference vector, recall = share of reference
     vectors within the k-NN radius of some sample (distances ``<=`` radii, as ADM)."""
-    ref_radii = manifold_radii(reference, k, batch_size, float16, device)
-    sample_radii = manifold_radii(samples, k, batch_size, float16, device)
-    sample_inside = torch.zeros(len(samples), dtype=torch.bool)
-    ref_inside = torch.zeros(len(reference), dtype=torch.bool)
+    reference, samples = reference.to(device), samples.to(device)  # once, not per block
+    ref_radii = manifold_radii(reference, k, batch_size, float16, device).to(device)
+    sample_radii = manifold_radii(samples, k, batch_size, float16, device).to(device)
+    sample_inside = torch.zeros(len(samples), dtype=torch.bool, device=device)
+    ref_inside = torch.zeros(len(reference), dtype=torch.bool, device=device)
     for i in range(0, len(reference), batch_size):
-        rows, row_radii = reference[i: i + batch_size].to(device), ref_radii[i: i + batch_size].to(device)
+        rows, row_radii = reference[i: i + batch_size], ref_radii[i: i + batch_size]
         for j in range(0, len(samples), batch_size):
-            d = pairwise_distances(rows, samples[j: j + batch_size].to(device), float16)
-            sample_inside[j: j + batch_size] |= (d <= row_radii[:, None]).any(dim=0).cpu()
-            ref_inside[i: i + batch_size] |= (d <= sample_radii[j: j + batch_size].to(device)[None, :]).any(dim=1).cpu()
+            d = pairwise_distances(rows, samples[j: j + batch_size], float16)
+            sample_inside[j: j + batch_size] |= (d <= row_radii[:, None]).any(dim=0)
+            ref_inside[i: i + batch_size] |= (d <= sample_radii[j: j + batch_size][None, :]).any(dim=1)
     return float(sample_inside.double().mean()), float(ref_inside.double().mean())
 
 
@@ -701,8 +694,7 @@ def save_reference_statistics(path: PathLike, pool: FeatureStatistics, spatial: 
         arrays["arr_0"] = np.ascontiguousarray(images)
         if image_features is not None:
             arrays["arr_0_features"] = np.asarray(image_features, np.float32)
-    with atomic_write(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+    atomic_savez(path, **arrays)
     return path
 
 
@@ -750,6 +742,16 @@ def _versions() -> dict:
             "numpy": np.__version__}
 
 
+def extractor_layers(feature_extractor: str, feature_layer: Optional[str], roles: Sequence[str]) -> Dict[str, str]:
+    """``{role: layer}`` for the roles the extractor provides (``feature_layer`` overrides the pool layer)."""
+    provided = registered_class(feature_extractor).get_provided_features_list()
+    if feature_layer is not None and feature_layer not in provided:
+        raise MetricsError(f"{feature_extractor} has no layer {feature_layer!r}; it provides {list(provided)}")
+    defaults = {POOL: feature_layer or default_layer(feature_extractor, "fid"),
+                SPATIAL: default_layer(feature_extractor, "sfid"), LOGITS: default_layer(feature_extractor, "isc")}
+    return {role: defaults[role] for role in roles if defaults[role] in provided}
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -780,13 +782,7 @@ class Evaluator:
         self.is_split_size, self.pr_neighbours, self.pr_batch_size, self.pr_float16 = (
             is_split_size, pr_neighbours, pr_batch_size, pr_float16)
         self.kid_subsets, self.kid_subset_size, self.seed = kid_subsets, kid_subset_size, seed
-        provided = registered_class(feature_extractor).get_provided_features_list()
-        if feature_layer is not None and feature_layer not in provided:
-            raise MetricsError(f"{feature_extractor} has no layer {feature_layer!r}; it provides {list(provided)}")
-        available_layers = {POOL: feature_layer or default_layer(feature_extractor, "fid"),
-                            SPATIAL: default_layer(feature_extractor, "sfid"),
-                            LOGITS: default_layer(feature_extractor, "isc")}
-        available_layers = {role: layer for role, layer in available_layers.items() if layer in provided}
+        available_layers = extractor_layers(feature_extractor, feature_layer, (POOL, SPATIAL, LOGITS))
 
         explicit = metrics is not None
         if explicit:
@@ -986,21 +982,21 @@ def build_reference_statistics(source: Union[ImageSource, ImageSet], path: Optio
     their pool features, for Precision/Recall (ADM's reference batches hold 10,000).
 
     ``center_crop=S`` reads a raw folder (images of any size, e.g. ImageNet's train folder) with ADM's center crop
-    to S x S; unreadable files are left out and listed. With ``path`` the result is written there (atomically), and
+    to S x S (an opened image set brings its own crop); unreadable files are left out and listed. With ``path`` the result is written there (atomically), and
     the pass is resumable: after every ``shard_size`` images the running moments and the shard's share of reference
     images go to ``<path>.partial/`` (atomically); a rerun with the same options continues after the last finished
     shard, and a finished file with the same options is returned as it is.
     """
-    image_set = source if isinstance(source, ImageSet) else open_images(source, value_range, center_crop)
+    if isinstance(source, ImageSet):  # the crop recorded is the one the set applies
+        image_set, center_crop = source, getattr(source, "center_crop", None)
+    else:
+        image_set = open_images(source, value_range, center_crop)
     _check_count(image_set, None, "image set")
     if shard_size < 1 or reference_images < 0:
         raise MetricsError(f"shard_size={shard_size} must be positive and reference_images={reference_images} >= 0")
-    provided = registered_class(feature_extractor).get_provided_features_list()
-    layers = {POOL: feature_layer or default_layer(feature_extractor, "fid"),
-              SPATIAL: default_layer(feature_extractor, "sfid")}
-    layers = {role: layer for role, layer in layers.items() if layer in provided}
+    layers = extractor_layers(feature_extractor, feature_layer, (POOL, SPATIAL))
     if POOL not in layers:
-        raise MetricsError(f"{feature_extractor} has no layer {feature_layer}; it provides {list(provided)}")
+        raise MetricsError(f"{feature_extractor} provides no pool features for statistics")
     extractor = build_feature_extractor(feature_extractor, list(layers.values()), weights, device or default_device())
     n = len(image_set)
     chosen = np.sort(np.random.default_rng(seed).choice(n, min(reference_images, n), replace=False))
@@ -1030,7 +1026,7 @@ def build_reference_statistics(source: Union[ImageSource, ImageSet], path: Optio
         start, stop = shard * shard_size, min(n, (shard + 1) * shard_size)
         skipped_before = set(image_set.skipped)
         collected = {role: [] for role in layers}
-        part = {"images": [], "features": [], "positions": []}
+        part = {"images": [], "features": []}
         for positions, images, features in feature_batches(image_set, extractor, batch_size, num_workers, start, stop):
             for role, layer in layers.items():
                 collected[role].append(features[layer])
@@ -1038,7 +1034,6 @@ def build_reference_statistics(source: Union[ImageSource, ImageSet], path: Optio
             if keep.any():
                 part["images"].append(images[keep].permute(0, 2, 3, 1).numpy())
                 part["features"].append(features[layers[POOL]][keep].numpy())
-                part["positions"].append(positions[keep].numpy())
             bar.update(len(positions))
         for role in layers:
             if collected[role]:
@@ -1098,15 +1093,13 @@ def _write_partial(work: Path, shard: int, part: dict, moments: Dict[str, Runnin
     """The shard's reference images first, then the moments that count the shard as done: a kill in between
     only repeats the shard."""
     arrays = {k: v for k, v in part.items() if k != "skipped" and v is not None}
-    with atomic_write(work / f"part_{shard:06d}.npz") as tmp, open(tmp, "wb") as f:
-        np.savez(f, skipped=np.array(json.dumps(part["skipped"])), **arrays)
+    atomic_savez(work / f"part_{shard:06d}.npz", skipped=np.array(json.dumps(part["skipped"])), **arrays)
     state = {k: v for role, m in moments.items() for k, v in m.state(role).items()}
-    with atomic_write(work / "moments.npz") as tmp, open(tmp, "wb") as f:
-        np.savez(f, shards_done=np.array(shard + 1), settings=np.array(json.dumps(settings)), **state)
+    atomic_savez(work / "moments.npz", shards_done=np.array(shard + 1), settings=np.array(json.dumps(settings)), **state)
 
 
 def _read_part(work: Path, shard: int) -> dict:
     with np.load(work / f"part_{shard:06d}.npz", allow_pickle=False) as npz:
-        part = {k: (npz[k] if k in npz.files else None) for k in ("images", "features", "positions")}
+        part = {k: (npz[k] if k in npz.files else None) for k in ("images", "features")}
         part["skipped"] = json.loads(str(npz["skipped"]))
     return part

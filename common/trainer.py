@@ -32,8 +32,8 @@ from typing import Dict, Literal, Optional, Sequence, Tuple, Union
 import torch
 
 from common.checkpoint import bare_model, save_weights
-from common.cli import InputError
-from common.config import config_to_dict, flatten, save_config
+from common.cli import InputError, one_line_errors
+from common.config import config_from_cli, config_to_dict, flatten, save_config
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
 from common.durable import atomic_write_text
@@ -455,12 +455,8 @@ class Trainer:
         return final
 
 
-
 def run_cli(schema, train, argv, *, prog: str, description: str, examples: Sequence[str]) -> dict:
     """A trainer's command line: parse and validate the config, then run; bad input ends in one line."""
-    from common.cli import one_line_errors
-    from common.config import config_from_cli
-
     cfg = config_from_cli(schema, argv, prog=prog, description=description, examples=examples)
     with one_line_errors():
         return train(cfg)

@@ -159,7 +159,8 @@ def extract(args) -> dict:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
-    vae = load_vae(args.vae, allow_download=args.allow_download).to(accelerator.device).eval()
+    vae = load_vae(args.vae, allow_download=args.allow_download, download_flag="--allow-download")
+    vae = vae.to(accelerator.device).eval()
     files = ImageFiles(args.data_path, args.image_size)
     if len(files) == 0:
         raise FileNotFoundError(f"no images found under {args.data_path}")

@@ -103,8 +103,8 @@ def run(args) -> dict:
         images = open_images(args.samples, center_crop=args.center_crop)
         if args.num_samples is not None and len(images) != args.num_samples:
             raise MetricsError(f"{args.samples} holds {len(images)} images but --num-samples is {args.num_samples}")
-        ref = build_reference_statistics(images, args.save_stats, center_crop=args.center_crop,
-                                         reference_images=args.reference_images, shard_size=args.shard_size, **common)
+        ref = build_reference_statistics(images, args.save_stats, reference_images=args.reference_images,
+                                         shard_size=args.shard_size, **common)
         return {"saved": str(args.save_stats), "seconds": round(time.perf_counter() - start, 1), **ref.describe()}
     if args.center_crop is not None:
         raise MetricsError("--center-crop prepares raw folders for --save-stats; samples are scored as they are")

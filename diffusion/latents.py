@@ -43,12 +43,14 @@ class VAENotFoundError(FileNotFoundError):
     """The VAE is neither a local directory nor in the Hugging Face cache."""
 
 
-def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False, option: str = "--vae"):
+def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False, option: str = "--vae",
+             download_flag: Optional[str] = None):
     """diffusers ``AutoencoderKL`` from a local directory (a VAE folder, or a pipeline folder with a
     ``vae/`` subfolder) or from the Hugging Face cache; downloads only when ``allow_download``.
 
     ``option`` is how the caller's user names the VAE (``--vae`` on a command line, ``data.autoencoder`` in a
-    training config), for the error message."""
+    training config), for the error message; ``download_flag`` the caller's option that allows a download, if it
+    has one."""
     from diffusers import AutoencoderKL
 
     path = Path(path_or_id).expanduser()
@@ -64,7 +66,7 @@ def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False, option
 
         where = f"directory {path}" if path.is_dir() else f"neither a local directory nor in the Hugging Face cache {HF_HUB_CACHE}"
         given = f"{option}=DIR" if option.startswith(("data.", "train.")) else f"{option} DIR"
-        download = "; --allow-download fetches it when this machine has internet" if option == "--vae" else ""
+        download = f"; {download_flag} fetches it when this machine has internet" if download_flag else ""
         raise VAENotFoundError(
             f"cannot load the VAE {path_or_id!r}: {where} ({str(err).splitlines()[0]}). Provide it with {given}, a "
             "directory holding config.json and diffusion_pytorch_model.safetensors (on a machine with internet: "

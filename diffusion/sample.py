@@ -50,7 +50,7 @@ import torch
 
 from common.checkpoint import CheckpointError, load_weights, read_file
 from common.cli import one_line_errors
-from common.durable import atomic_write, atomic_write_text
+from common.durable import atomic_savez, atomic_write, atomic_write_text
 from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
 from diffusion.gaussian_diffusion import SPACINGS, GaussianDiffusion
 from diffusion.latents import DEFAULT_VAE, load_vae
@@ -313,11 +313,6 @@ def chunk_path(out_dir: Path, k: int) -> Path:
     return out_dir / "chunks" / f"chunk_{k:06d}.npz"
 
 
-def _atomic_savez(path: Path, **arrays) -> None:
-    with atomic_write(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-
-
 def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
@@ -414,7 +409,7 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
         indices = torch.arange(k * b, min((k + 1) * b, n))
         labels = balanced_labels(indices, sampler.spec.num_classes)
         images = sampler(indices, labels).permute(0, 2, 3, 1).numpy()  # NHWC, as ADM stores them
-        _atomic_savez(chunk_path(out_dir, k), images=images, labels=labels.numpy(), indices=indices.numpy())
+        atomic_savez(chunk_path(out_dir, k), images=images, labels=labels.numpy(), indices=indices.numpy())
     state.wait_for_everyone()
     if not state.is_main_process:
         return None

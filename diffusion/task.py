@@ -46,8 +46,7 @@ class ModelConfig:
         allowed = [p for p in inspect.signature(DiT).parameters if p not in own]
         unknown = [k for k in self.kwargs if k not in allowed]
         if unknown:
-            raise ValueError(f"model.kwargs has unknown DiT arguments {unknown} (in YAML write `{{hidden_size: 96}}` with "
-                             f"a space after the colon); valid: {', '.join(allowed)}")
+            raise ValueError(f"model.kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
 
 
 @dataclass
@@ -242,7 +241,6 @@ class DiTTask:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.num_workers = cfg.data.num_workers
         self.lr = cfg.optim.lr
         self.last_fid: dict = {}
         if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0 and cfg.train.sample_every:
@@ -264,7 +262,7 @@ class DiTTask:
         self.fid = InTrainingFid(run, accelerator.device, cfg.data.num_workers) if run.fid_every else None
 
     def build_feed(self, sampler, batch_size: int, device):
-        return trainer.default_feed(self.train_set, sampler, batch_size, self.num_workers, device)
+        return trainer.default_feed(self.train_set, sampler, batch_size, self.cfg.data.num_workers, device)
 
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg, self.sample_shape)
@@ -296,7 +294,7 @@ class DiTTask:
         if not (run.fid_every or (run.sample_every and main)):
             return
         weights = trainer.ema.module if trainer.ema is not None else bare_model(trainer.model)
-        decoder = self.decoder
+        decoder = self.decoder  # loaded in setup(), shared by both samplers
         if run.sample_every and main:
             self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.sample_steps,
                                               run.sample_cfg_scale)

@@ -88,14 +88,14 @@ def natural_image(width: int, height: int, rng: np.random.Generator) -> np.ndarr
     return np.clip(x, 0, 255).astype(np.uint8)
 
 
-def write_jpegs(root: Path, count: int, seed: int = 0, quality: int = 90) -> float:
-    """``count`` JPEGs in ``root/train/<class>/`` (two classes); returns the mean bytes per pixel."""
+def write_jpegs(root: Path, count: int, seed: int = 0, quality: int = 90, split: str = "train") -> float:
+    """``count`` JPEGs in ``root/<split>/<class>/`` (two classes); returns the mean bytes per pixel."""
     rng = np.random.default_rng(seed)
     sizes = [(w, h) for w, h, weight in IMAGE_SIZES for _ in range(weight)]
     total_bytes = total_pixels = 0
     for i in range(count):
         w, h = sizes[i % len(sizes)]
-        folder = root / "train" / f"class{i % 2}"
+        folder = root / split / f"class{i % 2}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{i:05d}.JPEG"
         Image.fromarray(natural_image(w, h, rng)).save(path, quality=quality)

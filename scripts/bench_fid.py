@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -35,19 +34,13 @@ def smooth_images(rng, count: int, sizes, grid: int = 6):
 
 
 def write_inputs(out: Path, count: int, seed: int = 0) -> dict:
-    import torchvision
     from PIL import Image
 
-    from common.feature_extractors import INCEPTION_WEIGHTS_FILE
+    from common.feature_extractors import INCEPTION_WEIGHTS_FILE, write_random_inception
 
     weights = out / INCEPTION_WEIGHTS_FILE
     if not weights.exists():
-        torch.manual_seed(seed)
-        model = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)
-        for module in model.modules():
-            if isinstance(module, torch.nn.Conv2d):
-                torch.nn.init.normal_(module.weight, std=math.sqrt(2.0 / module.weight[0].numel()))
-        torch.save(model.state_dict(), weights)
+        write_random_inception(weights, seed)
     raw = out / "raw"
     if not raw.exists():
         rng = np.random.default_rng(seed)

@@ -113,9 +113,7 @@ def write_image_folder(root: Path, count: int) -> None:
     from scripts.bench_data import write_jpegs
 
     write_jpegs(root, count)  # root/train/class0, class1
-    write_jpegs(root / "val_tmp", 8, seed=1)
-    (root / "val_tmp" / "train").rename(root / "val")
-    (root / "val_tmp").rmdir()
+    write_jpegs(root, 8, seed=1, split="val")
 
 
 def trainer_syncs(workdir: Path, tiny: bool) -> dict:

@@ -10,7 +10,6 @@ ratios, grayscale and CMYK JPEGs, a PNG under a ``.JPEG`` name, an EXIF orientat
 from __future__ import annotations
 
 import io
-import math
 import os
 import socket
 import subprocess
@@ -18,7 +17,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
 from PIL import Image
 
@@ -109,18 +107,3 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert exit code 0, showing the end of the output otherwise."""
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{' '.join(proc.args)}\n{proc.stderr[-4000:]}"
     return proc
-
-
-def write_random_inception(path: Path) -> Path:
-    """torch-fidelity's ``inception-v3-compat`` state dict (torchvision's Inception-v3 with 1008 classes) with seeded
-    random weights, He-initialised so activations stay O(1) through eval-mode BatchNorm."""
-    import torchvision
-
-    torch.manual_seed(0)
-    model = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Conv2d):
-            torch.nn.init.normal_(module.weight, std=math.sqrt(2.0 / module.weight[0].numel()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), path)
-    return path

@@ -64,6 +64,7 @@ def test_unknown_key_lists_valid_keys(tmp_path):
     ("optim.lr=fast", "must be a number"),
     ("optim=3", "is a section"),
     ("name", "key=value"),
+    ("kwargs={depth:4}", r"kwargs keys \['depth:4'\] have no value: in YAML write `\{depth: 4\}`"),
 ])
 def test_type_errors(override, fragment):
     with pytest.raises(ConfigError, match=fragment):

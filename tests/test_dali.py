@@ -61,3 +61,28 @@ def test_dali_cpu_pipeline_feeds_recipe_batches(tmp_path):
     state = random.getstate()
     loader._boxes([1, 2, 3])
     assert random.getstate() == state
+
+
+@pytest.mark.skipif(not has_dali, reason="NVIDIA DALI is not installed (pip install -e '.[dali]')")
+def test_dali_batches_stay_with_their_labels_when_an_epoch_stops_early(tmp_path):
+    """DALI decodes one batch ahead; a consumer that stops early (a run's last step, stop_at_step) must not leave
+    that batch to the next epoch. Black and white images in two classes show which images a batch holds."""
+    from PIL import Image
+
+    for name, value in (("black", 0), ("white", 255)):
+        (tmp_path / name).mkdir()
+        for k in range(8):
+            Image.new("RGB", (24, 24), (value,) * 3).save(tmp_path / name / f"{k}.jpg")
+    data, augment = recipe(tmp_path, input_size=16)
+    augment.auto_augment, augment.re_prob = None, 0.0  # keep each image black or white
+    data.num_workers = 1
+    dataset = build_dataset(data, "train")
+    sampler = ResumableSampler(len(dataset), seed=1)
+    loader = build_dali_loader(dataset, sampler, 4, data, augment, "cpu", seed=0)
+    white = dataset.class_to_idx["white"]
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        for b, (images, targets) in enumerate(loader):
+            assert ((images.mean(dim=(1, 2, 3)) > 0) == (targets == white)).all(), (epoch, b)
+            if epoch % 2 == 0:
+                break  # stopped after one batch while the next one was being decoded

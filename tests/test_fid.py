@@ -17,10 +17,10 @@ import torch_fidelity
 from PIL import Image
 
 import common.metrics as metrics
-from common.feature_extractors import INCEPTION_WEIGHTS_FILE, InceptionV3WithSpatial, build_feature_extractor
+from common.feature_extractors import (INCEPTION_WEIGHTS_FILE, InceptionV3WithSpatial, build_feature_extractor,
+                                       write_random_inception)
 from common.metrics import FeatureStatistics, read_sampling_protocol
 from diffusion import fid as fid_cli
-from tests.rehearsal import write_random_inception
 from tests.test_metrics import adm_float16_distances, adm_inception_score, brute_force_precision_recall
 
 LAYER = "64"

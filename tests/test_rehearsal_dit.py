@@ -22,8 +22,9 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from common.feature_extractors import write_random_inception
 from common.logging import read_metrics
-from tests.rehearsal import ROOT, check, recipe_changes, run, write_image_folder, write_random_inception
+from tests.rehearsal import ROOT, check, recipe_changes, run, write_image_folder
 
 CLASSES, PER_CLASS, BATCH, STEPS, SAMPLES = 3, 6, 8, 4, 6
 pytestmark = pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")

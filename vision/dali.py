@@ -25,6 +25,8 @@ What does not (the limits):
   timm's magnitude ``m`` of 10 maps to bin ``round(m / 10 * 30)`` of 31. It is a different augmentation
   from the recipe's: use it for throughput, or tune the recipe for it.
 * A file DALI cannot decode stops the run (the torch backend skips it with a warning).
+
+DALI works one batch ahead, on its own threads: it decodes batch k + 1 while the model trains on batch k.
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ def build_pipeline(data: DataConfig, augment: AugmentConfig, batch_size: int, de
         return images
 
     pipe = pipeline(batch_size=batch_size, num_threads=num_threads, device_id=device.index or 0 if cuda else None,
-                    seed=seed, prefetch_queue_depth=1, exec_pipelined=False, exec_async=False)
+                    seed=seed, prefetch_queue_depth=1, exec_pipelined=True, exec_async=True)
     pipe.build()
     return pipe
 
@@ -114,7 +116,7 @@ class DaliTrainLoader:
         self.pipe = build_pipeline(data, augment, batch_size, self.device, seed, num_threads)
         self.erasing = RandomErasingBoxes(augment.re_prob, augment.re_mode, augment.re_count)
         self.normalize_erase = NormalizeErase(data, augment)
-        self.size = data.input_size
+        self.blank = torch.empty(3, data.input_size, data.input_size, dtype=torch.uint8)  # erasing reads its shape only
 
     def __len__(self) -> int:
         """Batches in a full epoch."""
@@ -127,22 +129,39 @@ class DaliTrainLoader:
             boxes = []
             for seed in seeds:
                 random.seed(seed)
-                boxes.append(self.erasing(torch.empty(3, self.size, self.size, dtype=torch.uint8))[1])
+                boxes.append(self.erasing(self.blank)[1])
         finally:
             random.setstate(state)
         return torch.stack(boxes)
 
+    def _schedule(self, batch) -> None:
+        """Read the batch's files and start DALI on them (it runs asynchronously, on its own threads)."""
+        self.pipe.feed_input("encoded", [np.fromfile(self.samples[i][0], dtype=np.uint8) for i, _ in batch])
+        self.pipe.schedule_run()
+
     def __iter__(self):
         keys = list(self.sampler)  # from the epoch's start position on
-        for first in range(0, len(keys) - self.batch_size + 1, self.batch_size):
-            batch = keys[first: first + self.batch_size]
-            encoded = [np.fromfile(self.samples[i][0], dtype=np.uint8) for i, _ in batch]
-            targets = torch.tensor([self.samples[i][1] for i, _ in batch])
-            self.pipe.feed_input("encoded", encoded)
-            (images,) = self.pipe.run()
-            images = _to_torch(images, self.device).permute(0, 3, 1, 2)  # NHWC memory, NCHW view
-            boxes = self._boxes([seed for _, seed in batch]).to(self.device, non_blocking=True)
-            yield self.normalize_erase.images(images, boxes), targets.to(self.device, non_blocking=True)
+        batches = [keys[first: first + self.batch_size]
+                   for first in range(0, len(keys) - self.batch_size + 1, self.batch_size)]
+        pending = 0  # batches started and not yet taken: DALI decodes batch k + 1 while the model trains on k
+        try:
+            for k, batch in enumerate(batches):
+                if k == 0:
+                    self._schedule(batch)
+                    pending += 1
+                if k + 1 < len(batches):
+                    self._schedule(batches[k + 1])
+                    pending += 1
+                targets = torch.tensor([self.samples[i][1] for i, _ in batch])
+                boxes = self._boxes([seed for _, seed in batch])
+                (images,) = self.pipe.outputs()
+                pending -= 1
+                images = _to_torch(images, self.device).permute(0, 3, 1, 2)  # NHWC memory, NCHW view
+                yield (self.normalize_erase.images(images, boxes.to(self.device, non_blocking=True)),
+                       targets.to(self.device, non_blocking=True))
+        finally:  # stopped early (the run's last step, stop_at_step): drop what was started, or the next epoch
+            for _ in range(pending):  # would receive it
+                self.pipe.outputs()
 
 
 def _to_torch(images, device: torch.device) -> torch.Tensor:

@@ -390,7 +390,9 @@ class NormalizeErase:
     def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
         self.mean = torch.tensor(data.mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(data.std, dtype=torch.float32).view(1, -1, 1, 1)
-        self.mode = (augment or AugmentConfig()).re_mode.lower()
+        augment = augment or AugmentConfig()
+        self.mode = augment.re_mode.lower()
+        self.erase = augment.re_prob > 0  # else every box is empty: skip the masks (on CUDA a whole-batch pass)
         if self.mode not in ("pixel", "rand", "const"):
             raise ValueError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
         self._constants = {}
@@ -405,6 +407,8 @@ class NormalizeErase:
             self._constants[device] = (self.mean.to(device), self.std.to(device))
         mean, std = self._constants[device]
         x = images.float().div(255).sub_(mean).div_(std)
+        if not self.erase:
+            return x
         if device.type == "cpu":
             return self._erase_boxes(x, boxes)
         return self._erase_masked(x, boxes)

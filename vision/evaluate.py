@@ -45,11 +45,9 @@ class ModelConfig:
     pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
 
     def __post_init__(self):
-        # timm drops None-valued keyword arguments silently, and YAML reads `{embed_dim:32}` as {"embed_dim:32": None}.
-        bad = [k for k, v in self.kwargs.items() if v is None or not str(k).isidentifier()]
-        if bad:
-            raise ValueError(f"model.kwargs {bad} have no value: in YAML write `{{embed_dim: 32}}` with a space after "
-                             "the colon (or model.kwargs.embed_dim=32 on the command line)")
+        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
+        if unset:
+            raise ValueError(f"model.kwargs {unset} have no value; give each a value or leave it out")
         if not timm.is_model(self.name):
             close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
             raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
@@ -129,14 +127,13 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
-    unreadable = []
+    unreadable = []  # per batch, on the device: the file index of each unreadable image, -1 for the others
     for images, targets in loader:
         images, targets = images.to(accelerator.device), targets.to(accelerator.device)
         with accelerator.autocast():
             logits = model(images).float()
         readable = targets >= 0
-        if not bool(readable.all()):  # rare: an unreadable file in this batch
-            unreadable += (-1 - targets[~readable]).tolist()
+        unreadable.append((-1 - targets).clamp(min=-1))  # read once at the end: no host sync per batch
         labels = targets.clamp(min=0)
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
@@ -150,7 +147,8 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
         totals += per_image.sum(0).double()
     model.train(was_training)
     loss, top1, top5, n = totals.tolist()
-    bad = sorted({i for rank in gather_objects(accelerator, unreadable) for i in rank})
+    mine = torch.cat(unreadable).unique().tolist() if unreadable else []
+    bad = sorted({i for rank in gather_objects(accelerator, mine) for i in rank if i >= 0})
     if n == 0:
         raise ValueError("the evaluation set has no readable image")
     result = {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n),

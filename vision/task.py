@@ -96,7 +96,6 @@ class DeiTTask:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.repeats = cfg.augment.repeated_aug
-        self.num_workers = cfg.data.num_workers
         self.lr = cfg.optim.lr
         self.last_eval: dict = {}
 
@@ -153,6 +152,10 @@ class DeiTTask:
         if flags is None:
             return 0
         if self.accelerator.num_processes > 1:
+            seen = torch.tensor([int(flags.sum())], device=self.accelerator.device)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+            if not seen.item():  # the usual case: no process met an unreadable file, no need to merge the flags
+                return 0
             flags = flags.to(self.accelerator.device, dtype=torch.int32)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return int(flags.sum())
