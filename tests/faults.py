@@ -36,6 +36,18 @@ def install(point: str, nth: int) -> None:
         seen[0] += 1
         return seen[0] == nth
 
+    def die_on_call(owner, name: str):
+        """Replace ``owner.name`` by a wrapper that dies on the nth call, before doing anything."""
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if hit():
+                die()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+        return wrapper
+
     if point == "ckpt_write":
         original_save = train_state.torch.save
 
@@ -54,23 +66,9 @@ def install(point: str, nth: int) -> None:
 
         train_state.torch.save = torn_save
     elif point == "ckpt_done":
-        original = train_state.CheckpointManager.prune
-
-        def prune(self):
-            if hit():
-                die()
-            return original(self)
-
-        train_state.CheckpointManager.prune = prune
+        die_on_call(train_state.CheckpointManager, "prune")
     elif point == "weights":
-        original_weights = checkpoint.save_weights
-
-        def save_weights(*args, **kwargs):
-            if hit():
-                die()
-            return original_weights(*args, **kwargs)
-
-        checkpoint.save_weights = trainer.save_weights = save_weights
+        trainer.save_weights = die_on_call(checkpoint, "save_weights")
     elif point == "step":
         original_step = trainer.Trainer.train_step
 
@@ -87,14 +85,7 @@ def install(point: str, nth: int) -> None:
 
         trainer.Trainer.train_step = train_step
     elif point == "final":
-        original_finish = trainer.Trainer._finish
-
-        def finish(self):
-            if hit():
-                die()
-            return original_finish(self)
-
-        trainer.Trainer._finish = finish
+        die_on_call(trainer.Trainer, "_finish")
     else:
         raise SystemExit(f"unknown fault point {point!r}; choose one of {', '.join(POINTS)}")
 
