@@ -40,7 +40,6 @@ class DataConfig:
             raise ValueError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
 
 
-
 class PixelImages(Dataset):
     """Fashion-MNIST in [-1, 1], padded to ``image_size`` with the black background, randomly mirrored
     when ``hflip``: ``(x0 (1, S, S), label)``."""

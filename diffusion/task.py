@@ -122,8 +122,6 @@ class TrainConfig:
                              "the latents); or set train.sample_every=0 and train.fid_every=0 to train without a VAE")
 
 
-
-
 def build_model(cfg: TrainConfig, sample_shape) -> torch.nn.Module:
     channels, size, _ = sample_shape
     model = DiT_models[cfg.model.name](
