@@ -51,6 +51,16 @@ PRESETS = {
                          train_images=None, steps=4000, ema_decay=0.999, fid_samples=2000, sample_steps=100, diag_images=256,
                          log_every=50),
 }
+# Named, pre-registered studies (docs/results/<name>/): a task, fixed run settings and one or more grids whose
+# union is the set of runs. Their settings are fixed before any result is seen; do not tune them per topology.
+STUDIES = {
+    "deit_depth": dict(task="deit", lrs=[1e-3], train_images=None, epochs=3, val_images=None, diag_images=2000,
+                       log_every=25, grids=[dict(topologies=["pre", "siamese"], depths=[6, 12, 24], seeds=[0, 1, 2, 3, 4, 5]),
+                                            dict(topologies=["post"], depths=[24], seeds=[0, 1, 2])]),
+    "dit_long": dict(task="dit", lrs=[1e-3], train_images=None, steps=3000, ema_decay=0.995, fid_samples=1000,
+                     sample_steps=50, diag_images=256, log_every=50,
+                     grids=[dict(topologies=["pre", "siamese"], depths=[8], seeds=[0, 1, 2, 3, 4, 5])]),
+}
 METRIC = {"deit": ("top1", "Top-1 %", True), "dit": ("fid", "FID (fmnist-cnn)", False)}  # key, label, higher is better
 
 
@@ -231,12 +241,8 @@ def diagnose_dit(run_dir: Path, opts) -> dict:
 TASKS = {"deit": (train_deit, diagnose_deit), "dit": (train_dit, diagnose_dit)}
 
 
-def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
-    """Train, evaluate and diagnose one run; ``None`` if it stopped early (``train.stop_at_step``) and must go on."""
-    from common.logging import read_metrics
-
-    run_dir = runs_dir / spec.name
-    done = run_dir / RESULT_FILE
+def check_run_settings(run_dir: Path, opts) -> dict:
+    """The settings that define a run's result; an error if ``run_dir`` was made with others."""
     settings = {k: getattr(opts, k) for k in RUN_OPTIONS}
     settings["set"] = [o for o in opts.set if not o.startswith(RUN_CONTROL_OVERRIDES)]
     settings_file = run_dir / SETTINGS_FILE
@@ -247,10 +253,20 @@ def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
             raise InputError(f"{run_dir} was made with other settings ("
                              + ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items())
                              + "); use another --out, or delete that run directory to redo it")
+    return settings
+
+
+def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
+    """Train, evaluate and diagnose one run; ``None`` if it stopped early (``train.stop_at_step``) and must go on."""
+    from common.logging import read_metrics
+
+    run_dir = runs_dir / spec.name
+    done = run_dir / RESULT_FILE
+    settings = check_run_settings(run_dir, opts)
     if done.is_file():
         return json.loads(done.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(settings_file, settings)
+    _write_json(run_dir / SETTINGS_FILE, settings)
     train_fn, diagnose_fn = TASKS[opts.task]
     print(f"\n=== {spec.name} ===", flush=True)
     start = time.perf_counter()
@@ -516,7 +532,9 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.compare", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=list(TASKS), default="deit", help="deit: classification Top-1; dit: generation FID")
+    p.add_argument("--study", choices=list(STUDIES), help="a pre-registered study (docs/results/<study>/): its task, "
+                   "settings and runs are fixed; only --out, --report, --notes, --threads, --feature-weights, --shard apply")
+    p.add_argument("--task", choices=list(TASKS), help="deit (default): classification Top-1; dit: generation FID")
     p.add_argument("--quick", action="store_true", help="the short 2-core preset (~22 min for DeiT; default: the full CPU preset)")
     p.add_argument("--data", default="fashion_mnist", help="fashion_mnist (default) or an ImageFolder root with train/ and val/")
     p.add_argument("--image-size", type=int, default=32, help="ImageFolder data: resize/crop size (patch = size/4)")
@@ -541,7 +559,30 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="runs and report (default runs/compare_<task>[_quick])")
     p.add_argument("--report", type=Path, help="report directory (default: --out)")
     p.add_argument("--notes", type=Path, help="a markdown file whose text goes into the report under 'Notes'")
+    p.add_argument("--shard", default="0/1", metavar="K/N", help="train only runs K, K+N, K+2N, ... (0-based) of the "
+                   "list, e.g. 0/2 and 1/2 in two processes; the report covers every finished run of the list")
     args = p.parse_args(argv)
+    try:
+        args.shard_index, args.shard_count = (int(v) for v in args.shard.split("/"))
+        if not 0 <= args.shard_index < args.shard_count:
+            raise ValueError
+    except ValueError:
+        p.error(f"--shard {args.shard}: expected K/N with 0 <= K < N, e.g. 0/2")
+    args.grids = None
+    if args.study:
+        study = dict(STUDIES[args.study])
+        given = [k for k in study if k != "grids" and getattr(args, k, None) not in (None, False)]
+        given += [k for k in ("topologies", "depths", "seeds") if getattr(args, k) is not None]
+        if given or args.quick or args.set:
+            p.error(f"--study {args.study} fixes its settings; drop "
+                    + ", ".join("--" + k.replace("_", "-") for k in given + ["quick"] * args.quick + ["set"] * bool(args.set)))
+        args.grids = study.pop("grids")
+        for key, value in study.items():
+            setattr(args, key, value)
+        args.topologies = sorted({t for g in args.grids for t in g["topologies"]})
+        args.depths = sorted({d for g in args.grids for d in g["depths"]})
+        args.seeds = sorted({s for g in args.grids for s in g["seeds"]})
+    args.task = args.task or "deit"
     for key, value in PRESETS[(args.task, args.quick)].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -580,15 +621,28 @@ def main(argv=None) -> Path:
         return _compare(opts, argv)
 
 
+def run_specs(opts) -> List[RunSpec]:
+    """The runs of a comparison: the full grid of the options, or the union of a study's grids (in order)."""
+    grids = opts.grids or [dict(topologies=opts.topologies, depths=opts.depths, seeds=opts.seeds)]
+    specs = {RunSpec(t, d, lr, s) for g in grids for d in g["depths"] for lr in opts.lrs for t in g["topologies"]
+             for s in g["seeds"]}
+    # Seed by seed: a comparison stopped part-way holds complete pairs for its first seeds at every setting.
+    order = {t: i for i, t in enumerate(dict.fromkeys(t for g in grids for t in g["topologies"]))}
+    return sorted(specs, key=lambda r: (r.seed, r.depth, r.lr, order[r.topology]))
+
+
 def _compare(opts, argv) -> Path:
     import vision  # noqa: F401  (registers the DeiT topologies with timm)
 
     runs_dir = opts.out / "runs"
-    specs = [RunSpec(t, d, lr, s) for d in opts.depths for lr in opts.lrs for t in opts.topologies for s in opts.seeds]
+    specs = run_specs(opts)
+    for spec in specs[opts.shard_index::opts.shard_count]:
+        run_one(spec, runs_dir, opts)
     results, pending = [], []
-    for spec in specs:
-        result = run_one(spec, runs_dir, opts)
-        (results.append(result) if result is not None else pending.append(spec.name))
+    for spec in specs:  # every run of the list, whichever process (shard) trained it
+        done = runs_dir / spec.name / RESULT_FILE
+        check_run_settings(runs_dir / spec.name, opts)
+        (results.append(json.loads(done.read_text())) if done.is_file() else pending.append(spec.name))
     command = "python -m scripts.compare " + " ".join(argv)
     notes = opts.notes.read_text() if opts.notes else ""
     path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes)
