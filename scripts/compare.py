@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 from common.cli import InputError, one_line_errors
 from common.durable import atomic_write_text
+from common.train_state import RunLock, RunLockedError
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILE = "result.json"
@@ -37,6 +38,7 @@ RUN_OPTIONS = ("task", "data", "image_size", "train_images", "val_images", "diag
                "fid_samples", "sample_steps", "ema_decay", "feature_weights", "log_every", "set", "diagnostics")
 RUN_CONTROL_OVERRIDES = ("train.stop_at_step=", "train.resume=")  # how far a run goes now, not what it computes
 DIAGNOSTICS_FILE = "diagnostics.json"
+CLAIMS_DIR = ".claims"  # OUT/runs/.claims/<run>/.lock: which process runs which run
 
 # Presets: the DeiT ones start from configs/fmnist_deit.yaml (micro-DeiT, dim 64, patch 7), DiT from fmnist_dit.yaml.
 PRESETS = {
@@ -257,14 +259,32 @@ def check_run_settings(run_dir: Path, opts) -> dict:
 
 
 def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
-    """Train, evaluate and diagnose one run; ``None`` if it stopped early (``train.stop_at_step``) and must go on."""
-    from common.logging import read_metrics
-
+    """Train, evaluate and diagnose one run; ``None`` if it stopped early (``train.stop_at_step``) and must go on,
+    or another process is running it."""
     run_dir = runs_dir / spec.name
     done = run_dir / RESULT_FILE
     settings = check_run_settings(run_dir, opts)
     if done.is_file():
         return json.loads(done.read_text())
+    # A claim held from training to result.json: several processes running one comparison share its runs.
+    claim = RunLock(runs_dir / CLAIMS_DIR / spec.name)
+    try:
+        claim.acquire()
+    except RunLockedError:
+        print(f"{spec.name}: being run by another process; skipped here", flush=True)
+        return None
+    try:
+        if done.is_file():  # finished by another process since the check above
+            return json.loads(done.read_text())
+        return _train_evaluate_diagnose(spec, run_dir, settings, opts)
+    finally:
+        claim.release()
+
+
+def _train_evaluate_diagnose(spec: RunSpec, run_dir: Path, settings: dict, opts) -> Optional[dict]:
+    from common.logging import read_metrics
+
+    done = run_dir / RESULT_FILE
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_json(run_dir / SETTINGS_FILE, settings)
     train_fn, diagnose_fn = TASKS[opts.task]
@@ -340,6 +360,8 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
     """The paper's four claims, each judged from this comparison's numbers by a stated rule."""
     metric, label, higher = METRIC[task]
     sign = 1.0 if higher else -1.0
+    if not summary:
+        return ["none judged: no finished run yet"]
     diffs = paired_differences(summary, "siamese")
     lines = []
 
@@ -560,7 +582,8 @@ def parse_args(argv=None):
     p.add_argument("--report", type=Path, help="report directory (default: --out)")
     p.add_argument("--notes", type=Path, help="a markdown file whose text goes into the report under 'Notes'")
     p.add_argument("--shard", default="0/1", metavar="K/N", help="train only runs K, K+N, K+2N, ... (0-based) of the "
-                   "list, e.g. 0/2 and 1/2 in two processes; the report covers every finished run of the list")
+                   "list, e.g. on two machines; the report covers every finished run of the list. On one machine, "
+                   "start the same command N times instead: a run being trained by one process is skipped by the others")
     args = p.parse_args(argv)
     try:
         args.shard_index, args.shard_count = (int(v) for v in args.shard.split("/"))

@@ -171,3 +171,18 @@ def test_two_shards_train_disjoint_runs_and_one_report_covers_both(tmp_path):
     assert not (tmp_path / "runs" / "siamese_d2_lr0.001_s0").exists()
     second = main(args + ["--shard", "1/2"]).read_text()
     assert "2 finished runs." in second and "| 2 | 0.001 | siamese |" in second
+
+
+@pytest.mark.fashion_mnist
+def test_a_run_claimed_by_another_process_is_skipped(tmp_path):
+    from common.train_state import RunLock
+
+    claim = RunLock(tmp_path / "runs" / ".claims" / "pre_d2_lr0.001_s0")
+    claim.acquire()  # as a second `scripts.compare` process running that run holds it
+    try:
+        report = main(TINY + ["--topologies", "pre", "--lrs", "1e-3", "--seeds", "0", "--out", str(tmp_path),
+                              "--no-diagnostics"]).read_text()
+    finally:
+        claim.release()
+    assert "0 finished runs, 1 unfinished: pre_d2_lr0.001_s0" in report
+    assert not (tmp_path / "runs" / "pre_d2_lr0.001_s0").exists()
