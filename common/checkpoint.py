@@ -8,6 +8,7 @@ weights (``{"model": ..., "ema": ...}``) are unwrapped; DDP ``module.`` and ``to
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from pathlib import Path
@@ -161,5 +162,17 @@ def save_weights(source: Union[nn.Module, StateDict], path: Union[str, os.PathLi
 
             save_file(state_dict, str(tmp), metadata={k: str(v) for k, v in (metadata or {}).items()})
         else:
-            torch.save(state_dict, tmp)
+            with open(tmp, "wb") as f:
+                torch.save(state_dict, f)
     return path
+
+
+def weights_fingerprint(state_dict: StateDict) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of the weights: equal iff the model (a DiT, a VAE) is the same,
+    whatever file (or path) it came from."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

@@ -4,18 +4,23 @@
         run(cfg)
 
 Errors about the user's input -- a setting, a missing file or dataset, a damaged or incompatible checkpoint,
-a locked run directory, a diverged run, and the error types an entry point names -- end the process with
-status 2 (argparse's status for bad arguments) and their message instead of a traceback. Anything else (a
-bug) keeps its traceback.
+a locked run directory, a diverged run, a full or read-only disk, and the error types an entry point names --
+end the process with status 2 (argparse's status for bad arguments) and their message instead of a traceback;
+with several processes, every one exits 2 and the message is printed once (by rank 0; another rank's own
+error after a short wait). Anything else (a bug) keeps its
+traceback.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RANK_ERROR_DELAY_S = 5.0
 
 
 class InputError(ValueError):
@@ -31,11 +36,12 @@ def _raised_by_project(err: BaseException) -> bool:
 def is_input_error(err: BaseException) -> bool:
     from common.checkpoint import CheckpointError
     from common.config import ConfigError
+    from common.durable import DiskWriteError
     from common.logging import NonFiniteLossError
     from common.train_state import RunLockedError
 
     if isinstance(err, (InputError, ConfigError, CheckpointError, FileNotFoundError, NonFiniteLossError,
-                        RunLockedError)):
+                        RunLockedError, DiskWriteError)):
         return True
     return type(err) is ValueError and _raised_by_project(err)
 
@@ -61,5 +67,11 @@ def one_line_errors(*input_errors: type):
         if not (isinstance(err, input_errors) or is_input_error(err)):
             raise
         message = f"error: {err}"
-        print(message, file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if rank != "0":
+            # Every rank meets the same bad input; rank 0 says it. The launcher ends the other ranks as soon as one
+            # exits, so they wait first: a rank's own error (one rank 0 does not meet) is still printed after it.
+            time.sleep(RANK_ERROR_DELAY_S)
+            message = f"error (rank {rank}): {err}"
+        print(message, file=sys.stderr, flush=True)
         raise InputExit(message) from None

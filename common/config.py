@@ -12,7 +12,7 @@ A config schema is a (possibly nested) dataclass; every field needs a default. L
   "did you mean" hint); values are type-checked against the dataclass annotations (``int``, ``float``,
   ``bool``, ``str``, ``Optional[...]``, ``List[...]``/``Tuple[...]``, ``Dict[str, ...]``, ``Literal[...]``,
   nested dataclasses). An ``int`` is accepted for a ``float`` field, and ``"5e-4"`` (which YAML 1.1 reads
-  as a string) is accepted as a float.
+  as a string) is accepted as a float; NaN and infinities are refused for every float.
 
 Also: :func:`config_to_dict` (plain nested dict), :func:`save_config` (write the resolved config next to a
 run, so the run can be reproduced with ``--config <run>/config.yaml``), :func:`flatten` (dotted keys).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -51,7 +52,7 @@ def read_yaml(path: Union[str, os.PathLike], _chain: Sequence[Path] = ()) -> dic
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from err
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of keys to values at the top level, got {type(data).__name__}")
     base = data.pop(BASE_KEY, None)
@@ -62,6 +63,15 @@ def read_yaml(path: Union[str, os.PathLike], _chain: Sequence[Path] = ()) -> dic
     for b in bases:
         merged = deep_merge(merged, read_yaml(path.parent / b, (*_chain, path.resolve())))
     return deep_merge(merged, data)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's several-line message as one line: what is wrong, and where (1-based line and column)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    hint = " (YAML indents with spaces, never tabs)" if "'\\t'" in problem else ""
+    return f"{problem}{where}{hint}"
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:
@@ -88,7 +98,7 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)})") from None
         if re.search(r"(^|\s)#", raw) and not (isinstance(value, str) and "#" in value):
             value = raw.strip()  # YAML read a comment, but a command line has none: the whole text is the value
         node = out
@@ -162,16 +172,19 @@ def _coerce(value: Any, tp, where: str) -> Any:
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
     if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where} must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}={value!r} must be a finite number")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r} (quote it in YAML)")

@@ -63,6 +63,58 @@ def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
     return image.crop((left, top, left + image_size, top + image_size))
 
 
+# ----------------------------------------------------------------------------- image folders
+# torchvision's ImageFolder extensions; one list for every folder reader of the project.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class ImageFolderError(FileNotFoundError):
+    """A folder of images that cannot be read as one: a symlink loop, an empty class, no images."""
+
+
+def image_files(folder: Union[str, os.PathLike], extensions: Tuple[str, ...] = IMAGE_EXTENSIONS) -> list:
+    """Every image file below ``folder``, in torchvision's ``make_dataset`` order (directories as ``os.walk``
+    lists them, sorted by path; files sorted within one).
+
+    Symlinked folders are followed, as torchvision does, but a link back to a folder above it is refused: walking
+    it would list the same files over and over, without end.
+    """
+    folder = str(folder)
+    walked = []
+    # The real folders a walked path went through; a link to one of them, or to a folder above one, never ends.
+    chains = {folder: {os.path.realpath(folder)}}
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        chain = chains.pop(root)
+        for d in dirs:
+            link = os.path.join(root, d)
+            target = os.path.realpath(link)
+            if any(seen == target or seen.startswith(target.rstrip(os.sep) + os.sep) for seen in chain):
+                raise ImageFolderError(f"{link} is a symlink loop: it leads back to {target}, a folder above it, "
+                                       f"so its images would be listed without end; remove the link")
+            chains[link] = chain | {target}
+        walked.append((root, dirs, files))
+    return [os.path.join(root, f) for root, _, files in sorted(walked) for f in sorted(files)
+            if f.lower().endswith(extensions)]
+
+
+def scan_image_folder(folder: Union[str, os.PathLike], extensions: Tuple[str, ...] = IMAGE_EXTENSIONS):
+    """``(classes, samples)`` of an ImageFolder layout (``folder/<class>/**/<image>``) as torchvision's
+    ``ImageFolder`` finds them: classes are the sorted sub-folder names, ``samples`` ``(path, class index)`` pairs.
+    A class folder without images, a folder without class folders and a symlink loop are refused by name."""
+    classes = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+    if not classes:
+        raise ImageFolderError(f"{folder} has no class sub-folders; expected {folder}/<class name>/<image> files")
+    samples = []
+    for index, name in enumerate(classes):
+        found = image_files(os.path.join(folder, name), extensions)
+        if not found:
+            raise ImageFolderError(f"class folder {os.path.join(folder, name)} and its sub-folders hold no images "
+                                   f"({', '.join(extensions)}): add its images or remove the folder (every "
+                                   f"sub-folder of {folder} is a class)")
+        samples += [(path, index) for path in found]
+    return classes, samples
+
+
 # ----------------------------------------------------------------------------- Fashion-MNIST
 
 def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
@@ -273,7 +325,19 @@ class ResumableSampler(Sampler):
                 "total": self.total, "num_samples": self.num_samples}
 
 
-def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: int,
+def resolve_num_workers(setting: Union[int, str]) -> int:
+    """``data.num_workers``: a number, or ``auto``: the CPUs this process may use, shared by the processes of this
+    machine, less one for the process itself (0 on a single CPU: load in the main process)."""
+    if setting != "auto":
+        if not (isinstance(setting, int) or str(setting).isdigit()) or int(setting) < 0:
+            raise ValueError(f"num_workers={setting!r}: a number of worker processes >= 0, or auto")
+        return int(setting)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, cpus // max(1, local) - 1)
+
+
+def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: Union[int, str],
                        persistent_workers: bool = True) -> DataLoader:
     """Per-process training loader over a :class:`ResumableSampler`, items seeded per sample.
 
@@ -282,6 +346,7 @@ def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: 
     dataset re-pickling per epoch); the sampler still runs in the main process, so ``sampler.set_epoch`` before
     each ``iter(loader)`` selects the epoch and start position as before.
     """
+    num_workers = resolve_num_workers(num_workers)
     workers = dict(persistent_workers=persistent_workers) if num_workers > 0 else {}
     return DataLoader(SeededDataset(dataset), batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), generator=torch.Generator(),

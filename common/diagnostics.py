@@ -30,6 +30,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from common.durable import atomic_write_text
 from common.residual import ResidualBlock, SiameseFusion
 
 PathLike = Union[str, os.PathLike]
@@ -241,7 +242,7 @@ def write_diagnostic(kind: str, results: Mapping[str, dict], out_dir: PathLike, 
         raise ValueError(f"unknown diagnostic {kind!r}; valid: {', '.join(_PLOTS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{kind}.json").write_text(json.dumps(results, indent=1))
+    atomic_write_text(out_dir / f"{kind}.json", json.dumps(results, indent=1))
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     _PLOTS[kind](ax, results)

@@ -12,13 +12,46 @@ loss. A failure removes the temporary file and leaves the target untouched.
 """
 from __future__ import annotations
 
+import errno
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 TMP_SUFFIX = ".tmp"
+# Write failures that are about the disk, not the program: they end in one line naming the file.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM)
+
+
+class DiskWriteError(OSError):
+    """A file could not be written for a reason of the disk (full, quota, read-only, permissions)."""
+
+
+def disk_failure(err: BaseException) -> Optional[str]:
+    """The disk's reason behind a failed write (``"No space left on device"``), or None for other failures.
+
+    Libraries wrap the operating system's error: torch in a ``RuntimeError`` about zip positions, safetensors in a
+    ``SafetensorError`` whose message carries it; the chain of causes and the message are both read.
+    """
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+            return os.strerror(err.errno)
+        for code in DISK_ERRNOS:
+            if f"(os error {code})" in str(err) or os.strerror(code) in str(err):
+                return os.strerror(code)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def raise_disk_failure(err: BaseException, path: PathLike, kept: str) -> None:
+    """Raise :class:`DiskWriteError` (one line: the file, the reason, what was kept) if ``err`` is a disk failure."""
+    reason = disk_failure(err)
+    if reason is not None:
+        raise DiskWriteError(f"could not write {path}: {reason}. {kept} Free space (or fix the permissions) on "
+                             f"{Path(path).parent} and run the same command again") from None
 
 
 def fsync_file(path: PathLike) -> None:
@@ -61,8 +94,13 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
         yield tmp
         fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses even to remove what is not there
+            pass
+        raise_disk_failure(err, path, f"{path.name} keeps its previous content, if it had one." if path.exists()
+                           else "Nothing was written there.")
         raise
     fsync_dir(path.parent)
 

@@ -30,6 +30,7 @@ from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, Featu
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
 from common.checkpoint import CheckpointError, load_weights
+from common.cli import InputError
 
 INCEPTION = "inception-v3-compat"
 FMNIST = "fmnist-cnn"
@@ -42,7 +43,7 @@ CACHE_ENV = "SIAMESENORM_CACHE"
 PathLike = Union[str, os.PathLike]
 
 
-class FeatureExtractorError(ValueError):
+class FeatureExtractorError(InputError):
     """A feature extractor that cannot be built: unknown name, missing or wrong weights file."""
 
 
@@ -79,19 +80,20 @@ def _check_inception_file(path: Path) -> None:
         )
 
 
-def resolve_weights(name: str, weights: Optional[PathLike] = None) -> Optional[Path]:
-    """The weights file for extractor ``name``: ``weights`` if given, else its default location; must exist."""
+def resolve_weights(name: str, weights: Optional[PathLike] = None, option: str = "--extractor-weights") -> Optional[Path]:
+    """The weights file for extractor ``name``: ``weights`` if given, else its default location; must exist.
+    ``option`` is how the caller's user passes a weights file (named in the error)."""
     if weights is not None:
         path = Path(weights).expanduser()
         if not path.is_file():
-            raise FeatureExtractorError(f"feature extractor weights file {str(path)!r} does not exist")
+            raise FeatureExtractorError(f"feature extractor weights file {str(path)!r} ({option}) does not exist")
     elif name == INCEPTION:
         path = inception_cache_path()
         if not path.is_file():
             raise FeatureExtractorError(
                 f"Inception-v3 weights not found at {path}. This machine does not download them. On a machine "
                 f"with internet, fetch {URL_INCEPTION_V3} and either copy it to {path} (torch-fidelity's cache; "
-                f"the directory follows $TORCH_HOME) or pass its path with --extractor-weights / weights=."
+                f"the directory follows $TORCH_HOME) or pass its path with {option}."
             )
     elif name == FMNIST:
         path = fmnist_weights_path()
@@ -99,7 +101,7 @@ def resolve_weights(name: str, weights: Optional[PathLike] = None) -> Optional[P
             raise FeatureExtractorError(
                 f"Fashion-MNIST classifier weights not found at {path}. Train them once (a few CPU minutes) with "
                 f"`python -m scripts.train_fmnist_classifier` (writes that file; ${CACHE_ENV} moves the cache), "
-                "or pass a path with --extractor-weights / weights=."
+                f"or pass a path with {option}."
             )
     else:
         return None  # another torch-fidelity extractor: it finds (or downloads) its own weights

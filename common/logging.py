@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from common.durable import atomic_write_text
+from common.durable import atomic_write_text, raise_disk_failure
 
 METRICS_FILE = "metrics.jsonl"
 TRACKER_NAME = "tb"
@@ -42,8 +42,14 @@ def read_metrics(path: Union[str, os.PathLike]) -> list:
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # blank, or the torn last line of a run killed (or a disk filled) mid-write
+                pass
+    return records
 
 
 class MetricsLogger:
@@ -74,7 +80,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": int(step), "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        try:  # one whole line per record, on disk before the call returns (a line is the unit a resume cuts back to)
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:
+            raise_disk_failure(err, self.path, "The lines logged before stay.")
+            raise
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
         if self.accelerator.log_with and scalars:
             self.accelerator.log(scalars, step=int(step))

@@ -54,13 +54,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
-from common.data import center_crop_arr
+from common.data import IMAGE_EXTENSIONS, ImageFolderError, center_crop_arr, image_files
 from common.durable import atomic_savez
 from common.feature_extractors import INCEPTION, build_feature_extractor, default_layer, registered_class
 
 PathLike = Union[str, os.PathLike]
 ImageSource = Union[PathLike, torch.Tensor, np.ndarray]
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 FASHION_MNIST_PREFIX = "fashion-mnist:"
 SAMPLING_PROTOCOL_KEY = "protocol"      # JSON string inside a samples .npz
 SAMPLING_PROTOCOL_FILE = "protocol.json"  # ... or this file inside a samples folder
@@ -347,7 +346,10 @@ class FolderImages(ImageSet):
         from PIL import Image
 
         folder = Path(folder)
-        files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        try:
+            files = sorted(Path(p) for p in image_files(folder) if os.path.isfile(p))
+        except ImageFolderError as err:
+            raise MetricsError(str(err)) from None
         if not files:
             raise MetricsError(f"no {'/'.join(IMAGE_EXTENSIONS)} images found under {folder}")
         if center_crop is not None and center_crop < 1:

@@ -89,8 +89,8 @@ def preserved_rng():
 def atomic_torch_save(obj, path: Union[str, os.PathLike]) -> Path:
     """``torch.save`` to ``<path>.tmp``, flush to disk, rename over ``path`` (:func:`common.durable.atomic_write`)."""
     path = Path(path)
-    with atomic_write(path) as tmp:
-        torch.save(obj, tmp)
+    with atomic_write(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)  # through a file object, a full disk surfaces as the OSError it is
     return path
 
 

@@ -402,7 +402,7 @@ class Trainer:
         moved = []
         if self.accelerator.is_main_process:
             aside = self.ckpts.directory / "diverged"
-            aside.mkdir(exist_ok=True)
+            aside.mkdir(parents=True, exist_ok=True)  # no checkpoint may exist yet
             for s in suspect:
                 self.ckpts.path_for(s).replace(aside / self.ckpts.path_for(s).name)
                 moved.append(str(aside / self.ckpts.path_for(s).name))

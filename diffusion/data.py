@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
@@ -28,9 +28,11 @@ class DataConfig:
     num_classes: int = 1000
     hflip: bool = True  # random horizontal flip (latents: the stored flipped view)
     max_samples: Optional[int] = None  # keep the first N training examples (quick runs, tests)
-    num_workers: int = 4
+    num_workers: Union[int, Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
 
     def __post_init__(self):
+        if self.num_workers != "auto" and self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0: load in the main process), or auto")
         if self.dataset == "latents" and not self.path:
             raise ValueError("data.path is required for dataset=latents: the output directory of "
                              "`python -m diffusion.extract_latents` (it holds metadata.json)")

@@ -22,8 +22,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from common.checkpoint import weights_fingerprint
 from common.cli import one_line_errors
-from common.data import center_crop_arr
+from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
 from common.durable import atomic_write_text
 from diffusion.latents import (
     DEFAULT_VAE,
@@ -50,19 +51,14 @@ class ImageFiles(Dataset):
     so that one unreadable file costs one skipped image, not the run."""
 
     def __init__(self, root: str, image_size: int):
-        from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"--data-path {root} is not a directory")
         try:
-            self.classes, class_to_idx = find_classes(str(self.root))
-            self.samples = make_dataset(str(self.root), class_to_idx, extensions=IMG_EXTENSIONS)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(
-                f"{root} is not an ImageFolder ({err}); it must hold one subfolder per class with the images "
-                "inside, e.g. IMAGENET/train/n01440764/*.JPEG"
-            ) from err
+            self.classes, self.samples = scan_image_folder(self.root)
+        except ImageFolderError as err:
+            raise ImageFolderError(f"{root} is not an ImageFolder: {err}; it must hold one subfolder per class with "
+                                   "the images inside, e.g. IMAGENET/train/n01440764/*.JPEG") from None
         self.image_size = image_size
 
     def __len__(self) -> int:
@@ -100,7 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--image-size", type=int, default=256, help="ADM center-crop resolution")
     p.add_argument("--batch-size", type=int, default=64, help="images per VAE forward (x2 with the flips), per process")
     p.add_argument("--shard-size", type=int, default=10000, help="images per shard (the unit of resume)")
-    p.add_argument("--num-workers", type=int, default=8, help="image-decoding worker processes per process")
+    p.add_argument("--num-workers", default="auto", help="image-decoding worker processes per process; auto: the "
+                   "CPUs of this machine / its processes - 1")
     p.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="float16", help="storage precision of the moments")
     args = p.parse_args(argv)
     for name in ("image_size", "batch_size", "shard_size"):
@@ -120,6 +117,12 @@ def finished_shards(out: Path, shards, settings: dict):
             continue
         if header["settings"] != settings:
             diff = {key: (header["settings"].get(key), value) for key, value in settings.items() if header["settings"].get(key) != value}
+            if set(diff) == {"vae_sha256"} and "vae_sha256" in header["settings"]:
+                raise ExtractionError(
+                    f"{out / shard_name(k)} was encoded by other VAE weights than --vae {json.loads(settings['vae'])} "
+                    f"holds now (sha256 {json.loads(header['settings']['vae_sha256'])[:16]} then, "
+                    f"{json.loads(settings['vae_sha256'])[:16]} now: the VAE was replaced in place); restore that VAE "
+                    "to resume, or choose a new --out")
             raise ExtractionError(
                 f"{out / shard_name(k)} was written with other settings (stored vs now: {diff}); "
                 "re-run with the same options or choose a new --out"
@@ -139,6 +142,7 @@ def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_
     meta = {
         "format": FORMAT,
         "vae": json.loads(settings["vae"]),
+        "vae_sha256": json.loads(settings.get("vae_sha256", "null")),
         "scaling_factor": scaling_factor,
         "image_size": json.loads(settings["image_size"]),
         "latent_shape": list(latent_shape),
@@ -160,6 +164,7 @@ def extract(args) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
     vae = load_vae(args.vae, allow_download=args.allow_download, download_flag="--allow-download")
+    vae_sha256 = weights_fingerprint(vae.state_dict())  # a VAE replaced at the same path must not resume
     vae = vae.to(accelerator.device).eval()
     files = ImageFiles(args.data_path, args.image_size)
     if len(files) == 0:
@@ -167,7 +172,7 @@ def extract(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = shard_settings(
-        vae=args.vae, image_size=args.image_size, shard_size=args.shard_size, dtype=args.dtype,
+        vae=args.vae, vae_sha256=vae_sha256, image_size=args.image_size, shard_size=args.shard_size, dtype=args.dtype,
         num_listed=len(files), classes=files.classes,
     )
     num_shards = math.ceil(len(files) / args.shard_size)
@@ -188,7 +193,8 @@ def extract(args) -> dict:
     )
     for k in todo:
         subset = Subset(files, range(k * args.shard_size, min((k + 1) * args.shard_size, len(files))))
-        loader = DataLoader(subset, batch_size=args.batch_size, num_workers=args.num_workers, collate_fn=collate)
+        loader = DataLoader(subset, batch_size=args.batch_size, num_workers=resolve_num_workers(args.num_workers),
+                            collate_fn=collate)
         means, logvars, labels, indices, skipped = [], [], [], [], []
         for images, batch_labels, batch_indices, bad in loader:
             for name, err in bad:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from common.cli import one_line_errors
+from common.data import resolve_num_workers
 from common.durable import atomic_write_text
 from common.feature_extractors import INCEPTION, FeatureExtractorError
 from common.metrics import (
@@ -88,14 +89,15 @@ def parse_args(argv=None):
     r = p.add_argument_group("runtime")
     r.add_argument("--batch-size", type=int, default=50)
     r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    r.add_argument("--num-workers", type=int, default=4, help="image decoding workers for folders")
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--num-workers", default="auto", help="image decoding workers for folders (auto: from the CPU count)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar; one summary line instead of the JSON result "
+                   "(the whole result still goes to --out)")
     return p.parse_args(argv)
 
 
 def run(args) -> dict:
     common = dict(feature_extractor=args.feature_extractor, weights=args.weights, feature_layer=args.feature_layer,
-                  batch_size=args.batch_size, device=args.device, num_workers=args.num_workers, progress=not args.quiet)
+                  batch_size=args.batch_size, device=args.device, num_workers=resolve_num_workers(args.num_workers), progress=not args.quiet)
     if args.save_stats is not None:
         if args.reference is not None:
             raise MetricsError("--save-stats only computes statistics of --samples; drop --reference, or drop --save-stats")
@@ -145,8 +147,15 @@ def main(argv=None, echo: bool = True) -> dict:
     if args.out is not None:
         atomic_write_text(args.out, text + "\n")
     if echo:
-        print(text, file=sys.stdout)
+        print(summary_line(result) if args.quiet else text, file=sys.stdout)
     return result
+
+
+def summary_line(result: dict) -> str:
+    """What ``--quiet`` prints: the metrics (or the statistics written) on one line."""
+    if "metrics" in result:
+        return "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result["metrics"].items())
+    return f"wrote {result.get('saved')} ({result.get('seconds')} s)"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from bisect import bisect_right
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -60,7 +61,9 @@ def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False, option
             return AutoencoderKL.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
         if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") > 1:  # a path, not a hub id
             raise OSError(f"directory {path} does not exist")
-        return AutoencoderKL.from_pretrained(path_or_id, local_files_only=not allow_download)
+        with warnings.catch_warnings():  # diffusers still passes an argument huggingface_hub >= 1 ignores
+            warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")
+            return AutoencoderKL.from_pretrained(path_or_id, local_files_only=not allow_download)
     except (OSError, ValueError) as err:
         from huggingface_hub.constants import HF_HUB_CACHE
 

@@ -36,20 +36,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import io
 import json
 import math
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from common.checkpoint import CheckpointError, load_weights, read_file
-from common.cli import one_line_errors
+from common.checkpoint import CheckpointError, load_weights, read_file, weights_fingerprint
+from common.cli import InputError, one_line_errors
 from common.durable import atomic_savez, atomic_write, atomic_write_text
 from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
 from diffusion.gaussian_diffusion import SPACINGS, GaussianDiffusion
@@ -62,7 +61,7 @@ DIT_SAMPLE_LABELS = (207, 360, 387, 974, 88, 979, 417, 279)  # the official DiT 
 SETTINGS_FILE = "settings.json"
 
 
-class SamplingError(ValueError):
+class SamplingError(InputError):
     """Options or checkpoints that cannot give the requested samples."""
 
 
@@ -81,6 +80,8 @@ class ModelSpec:
     num_classes: int = 1000
     kwargs: Dict = field(default_factory=dict)
     autoencoder: str = DEFAULT_VAE  # "none": pixel space
+    vae_sha256: Optional[str] = None  # the VAE that encoded the training latents (weights fingerprint), if recorded
+    vae_scaling_factor: Optional[float] = None
 
 
 def _spec_from_safetensors_metadata(meta: Dict[str, str]) -> dict:
@@ -91,7 +92,8 @@ def _spec_from_safetensors_metadata(meta: Dict[str, str]) -> dict:
     convert = {"model": ("name", str), "topology": ("topology", str), "learn_sigma": ("learn_sigma", as_bool),
                "class_dropout_prob": ("class_dropout_prob", float), "in_channels": ("in_channels", int),
                "input_size": ("input_size", int), "num_classes": ("num_classes", int),
-               "model_kwargs": ("kwargs", json.loads), "autoencoder": ("autoencoder", str)}
+               "model_kwargs": ("kwargs", json.loads), "autoencoder": ("autoencoder", str),
+               "vae_sha256": ("vae_sha256", str), "vae_scaling_factor": ("vae_scaling_factor", float)}
     return {name: fn(meta[key]) for key, (name, fn) in convert.items() if key in meta}
 
 
@@ -112,11 +114,10 @@ def read_checkpoint(path, weights: Optional[str] = None):
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file")
+        weights = read_file(path)  # a missing, truncated or damaged file is a CheckpointError naming it
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        return read_file(path), _spec_from_safetensors_metadata(meta), None
+        return weights, _spec_from_safetensors_metadata(meta), None
     raw = read_file(path)
     found = {}
     if isinstance(raw.get("config"), dict):
@@ -160,17 +161,6 @@ def load_model(checkpoint, overrides: Optional[dict] = None, weights: Optional[s
     except CheckpointError as err:
         raise SamplingError(f"{checkpoint}: {err}") from err
     return model.eval().requires_grad_(False), spec, key or "weights"
-
-
-def weights_fingerprint(state_dict: Mapping[str, Tensor]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of the weights: equal iff the sampled model is the same,
-    whatever file (or path) it came from."""
-    digest = hashlib.sha256()
-    for name in sorted(state_dict):
-        tensor = state_dict[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------ noise and labels
@@ -265,20 +255,53 @@ def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[tor
     return x
 
 
-class Decoder:
-    """Model outputs -> uint8 images ``[B, C, H, W]``: through the VAE (``x / scaling_factor``) or as pixels."""
+class VAEMismatchError(SamplingError):
+    """The VAE given is not the one the latents (and so the model) were made with."""
 
-    def __init__(self, autoencoder: str, device, option: str = "--vae"):
-        self.vae, self.scaling_factor = None, 1.0
+
+class Decoder:
+    """Model outputs -> uint8 images ``[B, C, H, W]``: through the VAE (``x / scaling_factor``) or as pixels.
+
+    ``expect`` (``vae``, ``vae_sha256``, ``vae_scaling_factor``, as the latents' metadata and the model's weights
+    record them) is checked against the loaded VAE: decoding with another VAE gives wrong images without an error.
+    ``nonfinite="raise"`` refuses NaN/inf samples; ``"black"`` draws them black and counts them in
+    :attr:`nonfinite_images` (training grids and FIDs, which must never stop a run).
+    """
+
+    def __init__(self, autoencoder: str, device, option: str = "--vae", expect: Optional[dict] = None,
+                 nonfinite: str = "raise", made_with: str = "the model was trained on"):
+        self.vae, self.scaling_factor, self.fingerprint = None, 1.0, None
+        self.nonfinite, self.nonfinite_images = nonfinite, 0
         if autoencoder != "none":
-            self.vae = load_vae(autoencoder, option=option).to(device).eval().requires_grad_(False)
-            self.scaling_factor = float(self.vae.config.scaling_factor)
+            vae = load_vae(autoencoder, option=option)
+            self.fingerprint = weights_fingerprint(vae.state_dict())
+            self.scaling_factor = float(vae.config.scaling_factor)
+            self._check(autoencoder, option, expect or {}, made_with)
+            self.vae = vae.to(device).eval().requires_grad_(False)
+
+    def _check(self, autoencoder: str, option: str, expect: dict, made_with: str) -> None:
+        want_scale, want_sha = expect.get("vae_scaling_factor"), expect.get("vae_sha256")
+        scale_differs = want_scale is not None and not math.isclose(float(want_scale), self.scaling_factor, rel_tol=1e-6)
+        if not (scale_differs or (want_sha and want_sha != self.fingerprint)):
+            return
+        recorded = ", ".join(f"{k} {v}" for k, v in (("vae", expect.get("vae")), ("scaling factor", want_scale),
+                                                        ("weights sha256", (want_sha or "")[:16])) if v)
+        given = f"{option}={autoencoder}" if option.startswith(("data.", "train.")) else f"{option} {autoencoder}"
+        raise VAEMismatchError(
+            f"{given} is not the VAE {made_with} (recorded: {recorded}; this one: scaling factor "
+            f"{self.scaling_factor:g}, weights sha256 {self.fingerprint[:16]}): its decoded images would be wrong. "
+            f"Point {option} at the VAE that encoded the latents")
 
     @torch.no_grad()
     def __call__(self, x: Tensor) -> Tensor:
         if self.vae is not None:
             x = self.vae.decode(x / self.scaling_factor).sample
-        return images_to_uint8(x.float().clamp(-1.0, 1.0).cpu())  # NaN samples raise here
+        x = x.float()
+        if self.nonfinite == "black":
+            finite = torch.isfinite(x)
+            self.nonfinite_images += int((~finite).flatten(1).any(dim=1).sum())
+            x = torch.where(finite, x, -1.0)
+        return images_to_uint8(x.clamp(-1.0, 1.0).cpu())  # with nonfinite="raise", NaN samples raise here
 
 
 @dataclass
@@ -353,14 +376,15 @@ def write_pngs(folder: Path, chunk_files: Sequence[Path], protocol: dict) -> Non
 
 
 def sampling_settings(args, spec: ModelSpec, weights: str, scaling_factor: float, diffusion: GaussianDiffusion,
-                      fingerprint: str) -> dict:
+                      fingerprint: str, vae_fingerprint: Optional[str] = None) -> dict:
     """What makes a sample set: recorded with it, and compared on resume (other values are process layout)."""
     return {"checkpoint": str(args.checkpoint), "weights": weights, "weights_sha256": fingerprint,
             "model": dataclasses.asdict(spec), "sampler": args.sampler, "steps": args.steps, "spacing": args.spacing,
             "respacing": diffusion.respacing, "timesteps": diffusion.timestep_map.tolist(),
             "eta": args.eta if args.sampler == "ddim" else None,
             "cfg_scale": args.cfg_scale, "guided_channels": args.guided_channels if args.cfg_scale != 1.0 else None,
-            "vae": spec.autoencoder, "vae_scaling_factor": scaling_factor, "seed": args.seed,
+            "vae": spec.autoencoder, "vae_scaling_factor": scaling_factor, "vae_sha256": vae_fingerprint,
+            "seed": args.seed,
             "num_samples": args.num_samples, "labels": "sample i has class i % num_classes",
             "batch_size": args.batch_size}
 
@@ -392,7 +416,7 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
     """Generate samples ``0..N-1`` in chunks (rank r takes chunks r, r + W, ...), then assemble the outputs."""
     out_dir = Path(args.out_dir)
     settings = sampling_settings(args, sampler.spec, args.weights_used, sampler.decoder.scaling_factor,
-                                 sampler.diffusion, args.weights_sha256)
+                                 sampler.diffusion, args.weights_sha256, sampler.decoder.fingerprint)
     check_resume(out_dir, settings)
     state.wait_for_everyone()
     if state.is_main_process:
@@ -434,14 +458,20 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
 
 def class_names(num_classes: int, pixel: bool = False, names: Optional[Sequence[str]] = None) -> List[str]:
     """Readable class names for grid labels: ImageNet's descriptions for its 1000 classes (or for WordNet ids such as
-    ``n01440764``), Fashion-MNIST's for a 10-class pixel model, else the given names or the class numbers."""
+    ``n01440764``), Fashion-MNIST's for a 10-class pixel model, else the given names or the class numbers.
+    A name ImageNet-1k does not know (an ImageNet-21k WordNet id, any folder name) stays as it is."""
     from timm.data import ImageNetInfo
 
     if names is not None and len(names) == num_classes:
-        if all(str(n).startswith("n") and str(n)[1:].isdigit() for n in names):
-            info = ImageNetInfo()
-            return [info.label_name_to_description(str(n)).split(",")[0] for n in names]
-        return [str(n) for n in names]
+        info = ImageNetInfo()
+
+        def readable(name: str) -> str:
+            try:
+                return info.label_name_to_description(name).split(",")[0]
+            except KeyError:
+                return name
+
+        return [readable(str(n)) for n in names]
     if num_classes == 1000:
         info = ImageNetInfo()
         return [info.index_to_description(i).split(",")[0] for i in range(1000)]
@@ -587,7 +617,8 @@ def main(argv=None) -> Optional[dict]:
         model, spec, args.weights_used = load_model(args.checkpoint, overrides, args.weights)
         args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
         diffusion = build_diffusion(args, spec.learn_sigma)
-        sampler = Sampler(model.to(device), spec, Decoder(spec.autoencoder, device), diffusion, args.sampler, args.eta,
+        decoder = Decoder(spec.autoencoder, device, expect=dataclasses.asdict(spec) | {"vae": None})
+        sampler = Sampler(model.to(device), spec, decoder, diffusion, args.sampler, args.eta,
                           args.cfg_scale, args.guided_channels, args.seed, device)
         if args.grid is not None:
             result = run_grid(args, sampler) if state.is_main_process else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from common import trainer
 from common.checkpoint import bare_model
+from common.data import resolve_num_workers
 from common.residual import check_topology
 from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.gaussian_diffusion import GaussianDiffusion
@@ -132,21 +134,32 @@ def build_model(cfg: TrainConfig, sample_shape) -> torch.nn.Module:
     return model
 
 
-def weights_metadata(cfg: TrainConfig, sample_shape, step: int) -> dict:
-    """What a sampler needs to rebuild the model around exported weights."""
+def weights_metadata(cfg: TrainConfig, sample_shape, step: int, latent_vae: dict) -> dict:
+    """What a sampler needs to rebuild the model around exported weights (and to check the VAE it decodes with)."""
+    vae = {k: str(v) for k, v in latent_vae.items() if k in ("vae_sha256", "vae_scaling_factor") and v is not None}
     return {"model": cfg.model.name, "topology": cfg.model.topology, "learn_sigma": cfg.model.learn_sigma,
             "class_dropout_prob": cfg.model.class_dropout_prob, "in_channels": sample_shape[0],
             "input_size": sample_shape[1], "num_classes": cfg.data.num_classes, "model_kwargs": json.dumps(cfg.model.kwargs),
-            "autoencoder": cfg.data.autoencoder, "step": step}
+            "autoencoder": cfg.data.autoencoder, **vae, "step": step}
+
+
+def latent_vae(images) -> dict:
+    """The VAE the training latents were encoded with, as their metadata records it (empty for pixels)."""
+    meta = getattr(getattr(images, "moments", None), "metadata", None)
+    if meta is None:
+        return {}
+    return {"vae": meta.get("vae"), "vae_sha256": meta.get("vae_sha256"), "vae_scaling_factor": meta.get("scaling_factor")}
 
 
 # --------------------------------------------------------------------------------------- sampling
-def build_decoder(cfg: TrainConfig, device):
-    """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once."""
+def build_decoder(cfg: TrainConfig, device, expect: dict):
+    """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once, checked against the VAE of the
+    latents, and drawing non-finite samples black (a grid or FID never stops a run)."""
     from diffusion.sample import Decoder
 
     try:
-        return Decoder(cfg.data.autoencoder, device, option="data.autoencoder")
+        return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
+                       made_with=f"the latents in {cfg.data.path} were encoded with")
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err} Or set train.sample_every=0 and train.fid_every=0 to train without "
                                 "sample grids and in-training FID.") from err
@@ -184,9 +197,13 @@ def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
 
     indices = torch.arange(cfg.train.sample_count)
     labels = indices % cfg.data.num_classes
+    before = sampler.decoder.nonfinite_images
     with eval_mode(sampler.model):
         images = sampler(indices, labels)  # uint8 (B, C, H, W)
     write_grid(images, labels.tolist(), path, names)
+    bad = sampler.decoder.nonfinite_images - before
+    if bad:
+        print(f"{path}: {bad} of {len(indices)} samples are not finite (drawn black); the EMA weights hold NaN/inf")
 
 
 class InTrainingFid:
@@ -199,9 +216,11 @@ class InTrainingFid:
     """
 
     def __init__(self, cfg: RunConfig, device, num_workers: int = 0):
+        from common.feature_extractors import resolve_weights
         from common.metrics import Evaluator
 
         self.cfg = cfg
+        resolve_weights(cfg.fid_feature_extractor, cfg.fid_extractor_weights, option="train.fid_extractor_weights=PATH")
         self.evaluator = Evaluator(cfg.fid_reference, metrics=["fid"], feature_extractor=cfg.fid_feature_extractor,
                                    weights=cfg.fid_extractor_weights, device=str(device), num_workers=num_workers)
 
@@ -215,14 +234,21 @@ class InTrainingFid:
         chunks = list(torch.arange(self.cfg.fid_samples).split(self.cfg.fid_batch_size))
         mine = chunks[accelerator.process_index::accelerator.num_processes]
         features = None
+        before = sampler.decoder.nonfinite_images
         if mine:
             with eval_mode(sampler.model):
                 images = torch.cat([sampler(idx, balanced_labels(idx, sampler.spec.num_classes)) for idx in mine])
             features = self.evaluator.features(images)
-        gathered = gather_objects(accelerator, (torch.cat(mine) if mine else None, features))
+        bad = sampler.decoder.nonfinite_images - before
+        gathered = gather_objects(accelerator, (torch.cat(mine) if mine else None, features, bad))
         if not accelerator.is_main_process:
             return None
-        parts = [(idx, f) for idx, f in gathered if idx is not None]
+        bad = sum(b for _, _, b in gathered)
+        if bad:  # a distance to NaN samples means nothing; the run goes on to its non-finite stop or recovers
+            accelerator.print(f"in-training FID: {bad} of {self.cfg.fid_samples} samples are not finite; fid/fd is NaN")
+            return {"fid/fd": math.nan, "fid/samples": self.cfg.fid_samples, "fid/steps": self.cfg.fid_steps,
+                    "fid/seconds": time.perf_counter() - start}
+        parts = [(idx, f) for idx, f, _ in gathered if idx is not None]
         order = torch.cat([idx for idx, _ in parts]).argsort()
         features = {role: torch.cat([f[role] for _, f in parts])[order] for role in parts[0][1]}
         return {"fid/fd": self.evaluator.score(features)["fid"], "fid/samples": self.cfg.fid_samples,
@@ -256,8 +282,11 @@ class DiTTask:
         self._samplers_built = False
         # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
         run, main = cfg.train, accelerator.is_main_process
-        self.decoder = build_decoder(cfg, accelerator.device) if run.fid_every or (run.sample_every and main) else None
-        self.fid = InTrainingFid(run, accelerator.device, cfg.data.num_workers) if run.fid_every else None
+        self.latent_vae = latent_vae(images)
+        self.decoder = (build_decoder(cfg, accelerator.device, self.latent_vae)
+                        if run.fid_every or (run.sample_every and main) else None)
+        self.fid = (InTrainingFid(run, accelerator.device, resolve_num_workers(cfg.data.num_workers))
+                    if run.fid_every else None)
 
     def build_feed(self, sampler, batch_size: int, device):
         return trainer.default_feed(self.train_set, sampler, batch_size, self.cfg.data.num_workers, device)
@@ -328,4 +357,4 @@ class DiTTask:
         return {"fid": self.last_fid["fid/fd"], "fid_samples": self.last_fid["fid/samples"], "fid_step": trainer.step}
 
     def weights_metadata(self, step: int) -> dict:
-        return weights_metadata(self.cfg, self.sample_shape, step)
+        return weights_metadata(self.cfg, self.sample_shape, step, self.latent_vae)

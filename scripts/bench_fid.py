@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.durable import atomic_write_text
+
 
 def smooth_images(rng, count: int, sizes, grid: int = 6):
     """Smooth random RGB fields: bilinear upsampling of a small random grid, one size per image."""
@@ -104,7 +106,7 @@ def main(argv=None) -> dict:
     timings["metrics"] = result["metrics"]
     timings["reference"] = {"count": stats["statistics"]["count"], "images": stats["images"]["count"]}
     print(json.dumps({"phase": "fid", **{k: v for k, v in timings.items() if k.startswith("fid")}}), flush=True)
-    (args.out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    atomic_write_text(args.out / "timings.json", json.dumps(timings, indent=2) + "\n")
     return timings
 
 

@@ -1,6 +1,6 @@
 """Compare residual topologies (Pre-Norm, Post-Norm, SiameseNorm, ...) over learning rates, depths and seeds.
 
-    python -m scripts.compare --task deit --quick                       # 18 short runs, ~22 min on 2 CPU cores
+    python -m scripts.compare --task deit --quick                       # 18 short runs, ~22 min on 2 CPU cores (21.5 measured)
     python -m scripts.compare --task deit                               # the full CPU preset: 36 runs, ~95 min
     python -m scripts.compare --task deit --data /data/my_imagefolder --topologies pre siamese --lrs 1e-3 --seeds 0 1
     python -m scripts.compare --task dit --quick --feature-weights ~/.cache/siamesenorm/fmnist_cnn.safetensors
@@ -542,8 +542,8 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
         lines.append(f"| {r['name']} | {'--' if value is None else f'{value:.2f}'} | {r.get('steps', '--')} | "
                      f"{r['divergence']['step'] if r['divergence']['diverged'] else '--'} | {r.get('train_wall_s', '--')} |")
     path = report_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    (report_dir / "summary.json").write_text(json.dumps(
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write_text(report_dir / "summary.json", json.dumps(
         [{"depth": d, "lr": lr, "topology": t, **{k: v for k, v in s.items() if k != "by_seed"}}
          for (d, lr, t), s in sorted(summary.items())], indent=1))
     return path

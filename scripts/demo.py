@@ -22,6 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
+from common.durable import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -165,7 +167,7 @@ def main(argv=None) -> list:
         curves.update(c)
     print_table(rows)
     plot_curves(curves, args.out / "loss_curves.png")
-    (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+    atomic_write_text(args.out / "results.json", json.dumps(rows, indent=2))
     print(f"\nwrote {args.out / 'loss_curves.png'} and {args.out / 'results.json'}")
     return rows
 

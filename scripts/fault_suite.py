@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.durable import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {
     "deit": ("vision.train", "fmnist_deit_siamese.yaml",
@@ -107,7 +109,7 @@ def main(argv=None) -> dict:
             print(f"{family}: {k}/{len(trials)} bit-identical after resume ({killed} trials were killed mid-run)",
                   flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        atomic_write_text(args.out, json.dumps(results, indent=2))
     return results
 
 

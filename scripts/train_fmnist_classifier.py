@@ -1,6 +1,6 @@
 """Train the small Fashion-MNIST CNN whose features give the ``fmnist-cnn`` Frechet distance.
 
-    python -m scripts.train_fmnist_classifier                     # ~91% test accuracy, a few CPU minutes
+    python -m scripts.train_fmnist_classifier                     # 5 epochs: 90.6% test accuracy, ~5 min of one core
     python -m diffusion.fid --samples samples/ --reference fashion-mnist:test --feature-extractor fmnist-cnn
 
 Writes ``~/.cache/siamesenorm/fmnist_cnn.safetensors`` ($SIAMESENORM_CACHE moves it; ``--out`` overrides), with

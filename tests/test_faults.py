@@ -129,6 +129,8 @@ def test_resume_null_does_not_start_over_on_top_of_a_run(tmp_path, capsys):
     (["optim.batch_size=0"], "optim.batch_size=0 must be >= 1"),
     (["optim.epochs=0"], "optim.epochs=0 must be >= 1"),
     (["train.keep_last=1"], "train.keep_last=1 must be >= 2"),
+    (["optim.base_lr=.nan"], "optim.base_lr=nan must be a finite number"),
+    (["data.num_workers=-1"], "data.num_workers=-1 must be >= 0"),
 ])
 def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message):
     err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}", *overrides,
@@ -141,6 +143,9 @@ def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message)
     (["optim.steps=0"], "optim.steps=0 must be >= 1"),
     (["model.topology=sandwich"], "unknown residual topology 'sandwich'"),
     (["data.path=/data/my #1 run"], "/data/my #1 run"),  # not cut at the ` #` as a YAML comment
+    (["optim.lr=.inf"], "optim.lr=inf must be a finite number"),
+    (["train.fid_every=2", "train.fid_extractor_weights=/no/such.safetensors"],
+     "'/no/such.safetensors' (train.fid_extractor_weights=PATH) does not exist"),
 ])
 def test_dit_input_errors_before_any_work(tmp_path, capsys, overrides, message):
     err = cli_error(dit_train.main, "fmnist_dit_siamese.yaml", *DIT, f"train.output_dir={tmp_path}", *overrides,

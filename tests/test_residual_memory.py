@@ -81,11 +81,12 @@ def test_recompute_inside_block_checkpointing(images):
 
 
 def assert_grads_close(grads, reference, names):
-    """Every gradient equals the re-statement's to 1e-6 relative to its norm (float32 round-off: the model
-    computes ``X + Z * (1/c)`` in one fused op where the re-statement divides, and uses fused attention)."""
+    """Every gradient equals the re-statement's to 1e-5 relative to its norm (float32 round-off: the model
+    computes ``X + Z * (1/c)`` in one fused op where the re-statement divides, and uses fused attention; the
+    round-off is about 1e-6 and depends on the CPU's kernels)."""
     for name, expected in zip(names, reference):
         got = grads[name]
-        assert ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item() <= 1e-6, name
+        assert ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item() <= 1e-5, name
 
 
 def test_deit_gradients_equal_the_functional_restatement(images):

@@ -37,10 +37,15 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from common.data import ResumableSampler
+from common.cli import InputError
+from common.data import ResumableSampler, resolve_num_workers
 from vision.data import AugmentConfig, DataConfig, NormalizeErase, RandomErasingBoxes
 
 DALI_MAGNITUDE_BINS = 31
+
+
+class DaliMissingError(InputError, ImportError):
+    """data.backend=dali without NVIDIA DALI installed."""
 
 
 def require_dali():
@@ -48,8 +53,8 @@ def require_dali():
     try:
         import nvidia.dali
     except ImportError:
-        raise ImportError("data.backend=dali needs NVIDIA DALI: pip install -e '.[dali]' (nvidia-dali-cuda130; "
-                          "nvidia-dali-cuda120 for a CUDA 12 torch), or set data.backend=torch") from None
+        raise DaliMissingError("data.backend=dali needs NVIDIA DALI, which is not installed: pip install -e '.[dali]' "
+                         "(nvidia-dali-cuda130; nvidia-dali-cuda120 for a CUDA 12 torch), or set data.backend=torch") from None
     return nvidia.dali
 
 
@@ -184,4 +189,4 @@ def build_dali_loader(dataset, sampler: ResumableSampler, batch_size: int, data:
         raise ValueError("data.backend=dali reads image files: use data.dataset=imagefolder (Fashion-MNIST is "
                          "in memory; use data.backend=torch)")
     return DaliTrainLoader(samples, sampler, batch_size, data, augment or AugmentConfig(), device, seed,
-                           num_threads=max(1, data.num_workers))
+                           num_threads=max(1, resolve_num_workers(data.num_workers)))

@@ -27,7 +27,7 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional, Tuple
+from typing import Callable, Literal, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,9 +40,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_a
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 
-from common.data import FashionMNIST, add_note
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+from common.data import FashionMNIST, ImageFolderError, add_note, resolve_num_workers, scan_image_folder
 
 
 @dataclass
@@ -59,12 +57,14 @@ class DataConfig:
     interpolation: str = "bicubic"
     mean: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_MEAN)
     std: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_STD)
-    num_workers: int = 8
+    num_workers: Union[int, Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
     backend: Literal["torch", "dali"] = "torch"  # dali: GPU decode and augmentation (vision.dali, pip extra [dali])
     max_train_samples: Optional[int] = None  # keep the first N training images (quick runs, tests)
     max_val_samples: Optional[int] = None
 
     def __post_init__(self):
+        if self.num_workers != "auto" and self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0: load in the main process), or auto")
         if self.dataset == "imagefolder" and not self.path:
             raise ValueError("data.path is required for dataset=imagefolder: the directory that holds "
                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG")
@@ -111,6 +111,7 @@ class ReadableImageFolder(ImageFolder):
 
     def __init__(self, root, transform=None, limit: Optional[int] = None, loader: Callable = None,
                  substitute: bool = True):
+        self._scanned = scan_image_folder(root)  # torchvision's classes and order, loops and empty classes refused
         super().__init__(root, transform=transform, loader=loader or load_rgb)
         if limit is not None:
             self.samples = self.samples[:limit]
@@ -118,6 +119,13 @@ class ReadableImageFolder(ImageFolder):
             self.imgs = self.samples
         self.substitute = substitute
         self.unreadable = multiprocessing.Array("b", len(self.samples), lock=False)  # shared with the workers
+
+    def find_classes(self, directory):
+        classes = self._scanned[0]
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        return self._scanned[1]
 
     def _read(self, i: int):
         path = self.samples[i][0]
@@ -168,9 +176,13 @@ def skipped_images(dataset: Dataset) -> int:
     return 0 if flags is None else int(flags.sum())
 
 
+def _layout(root: Path, split: str) -> str:
+    return f"{root}/{split}/<class name>/<image>.JPEG (e.g. ImageNet's {split}/n01440764/*.JPEG)"
+
+
 def _check_image_folder(root: Path, split: str) -> Path:
     folder = root / split
-    layout = f"{root}/{split}/<class name>/<image>.JPEG (e.g. ImageNet's {split}/n01440764/*.JPEG)"
+    layout = _layout(root, split)
     if not root.is_dir():
         raise FileNotFoundError(f"data.path {str(root)!r} does not exist; expected the layout {layout}")
     if not folder.is_dir():
@@ -178,13 +190,21 @@ def _check_image_folder(root: Path, split: str) -> Path:
         raise FileNotFoundError(f"{folder} is missing (found: {present}); expected the layout {layout}. "
                                 "ImageNet's val/ must be sorted into class folders too (e.g. with the "
                                 "valprep.sh script from the PyTorch ImageNet example).")
-    classes = [p for p in folder.iterdir() if p.is_dir()]
-    if not classes:
+    if not any(p.is_dir() for p in folder.iterdir()):
         raise FileNotFoundError(f"{folder} has no class sub-folders; expected the layout {layout}")
-    if not any(f.suffix.lower() in IMAGE_EXTENSIONS for c in classes for f in c.iterdir()):
-        raise FileNotFoundError(f"the class folders of {folder} hold no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                                f"expected the layout {layout}")
     return folder
+
+
+def check_same_classes(train: Dataset, val: Dataset) -> None:
+    """Labels are class positions: train and val must list the same class names, in the same order."""
+    a, b = list(train.classes), list(val.classes)
+    if a == b:
+        return
+    only_train, only_val = [c for c in a if c not in b], [c for c in b if c not in a]
+    detail = (f"only in train: {', '.join(only_train[:5]) or 'none'}; only in val: {', '.join(only_val[:5]) or 'none'}"
+              if only_train or only_val else "the same names in another order")
+    raise ValueError(f"the train and val class folders differ ({detail}), so a label would mean one class in "
+                     "training and another in evaluation; give both splits the same class folders")
 
 
 def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[Callable] = None) -> Dataset:
@@ -201,8 +221,11 @@ def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[
         n_classes = len(FashionMNIST.classes)
     else:
         folder = _check_image_folder(Path(cfg.path), cfg.train_split if split == "train" else cfg.val_split)
-        dataset = ReadableImageFolder(folder, transform=transform, limit=limit, loader=loader,
-                                      substitute=split == "train")
+        try:
+            dataset = ReadableImageFolder(folder, transform=transform, limit=limit, loader=loader,
+                                          substitute=split == "train")
+        except ImageFolderError as err:
+            raise ImageFolderError(f"{err}; expected the layout {_layout(folder.parent, folder.name)}") from None
         n_classes = len(dataset.classes)
     if n_classes != cfg.num_classes:
         raise ValueError(f"the {split} set has {n_classes} classes but data.num_classes={cfg.num_classes}; "
@@ -487,7 +510,7 @@ def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
 
 # ----------------------------------------------------------------------------- loaders
 
-def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoader:
+def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: Union[int, str]) -> DataLoader:
     """Sequential evaluation loader (shard it with ``accelerator.prepare``)."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=resolve_num_workers(num_workers),
                       pin_memory=torch.cuda.is_available())

@@ -32,6 +32,7 @@ import vision  # noqa: F401  (registers our DeiT variants with timm)
 from common.checkpoint import load_weights
 from common.cli import one_line_errors
 from common.config import deep_merge, from_dict, parse_overrides, read_yaml
+from common.durable import atomic_write_text
 from vision.data import DataConfig, build_dataset, build_eval_loader, build_transform
 
 
@@ -199,8 +200,7 @@ def run(cfg: EvalConfig) -> dict:
         print(f"{cfg.model.name}: top1 {metrics['top1']:.2f}  top5 {metrics['top5']:.2f}  "
               f"loss {metrics['loss']:.4f}  ({metrics['images']} images{unreadable})")
         if output:
-            Path(output).parent.mkdir(parents=True, exist_ok=True)
-            Path(output).write_text(json.dumps(metrics, indent=2))
+            atomic_write_text(output, json.dumps(metrics, indent=2))
             print(f"wrote {output}")
     return metrics
 

@@ -17,7 +17,7 @@ from timm.scheduler import CosineLRScheduler
 
 from common import trainer
 from vision.data import (AugmentConfig, DataConfig, NormalizeErase, build_dataset, build_eval_loader, build_mixup,
-                         build_transform, load_rgb_tensor, unreadable_flags)
+                         build_transform, check_same_classes, load_rgb_tensor, unreadable_flags)
 from vision.evaluate import ModelConfig, build_model, evaluate
 
 
@@ -102,11 +102,16 @@ class DeiTTask:
     def setup(self, accelerator) -> None:
         cfg = self.cfg
         self.accelerator = accelerator
+        if cfg.data.backend == "dali":
+            from vision.dali import require_dali
+
+            require_dali()  # before any data is read
         # Workers decode, crop and augment to uint8 (+ erasing boxes); normalising and erasing run on the device.
         self.train_set = build_dataset(cfg.data, "train", None if cfg.data.backend == "dali" else
                                        build_transform(cfg.data, cfg.augment, training=True, use_prefetcher=True),
                                        loader=load_rgb_tensor)
         val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
+        check_same_classes(self.train_set, val_set)
         self.val_loader = accelerator.prepare(build_eval_loader(val_set, cfg.train.eval_batch_size,
                                                                 cfg.data.num_workers))
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)

@@ -1,0 +1,382 @@
+"""Bad input, each as a user meets it: a refusal in one line naming the problem and the fix, or a run that goes on,
+never a silent wrong run, a traceback or lost data.
+
+Folder oddities (symlink loops, empty classes, train/val class names that differ), latents paired with another
+VAE, a VAE replaced in place under a resumed extraction, non-finite settings, sample grids and FIDs of NaN weights,
+a full disk, damaged weights files, missing optional pieces (classifier weights, DALI), several processes.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.config import ConfigError, load_config
+from common.data import ImageFolderError, image_files, scan_image_folder
+from common.durable import DiskWriteError
+from common.logging import NonFiniteLossError, read_metrics
+from tests.rehearsal import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEIT = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
+        "data.num_workers=0", "train.tensorboard=false", "train.threads=1", "optim.batch_size=4", "optim.epochs=1",
+        "train.log_every=1"]
+TINY_DIT = ["model.name=DiT-S/4", "model.kwargs={hidden_size: 32, depth: 1, num_heads: 2}", "data.image_size=32",
+            "data.num_workers=0", "optim.batch_size=4", "optim.steps=2", "train.sample_count=2", "train.sample_steps=2",
+            "train.tensorboard=false", "train.threads=1"]
+
+
+def write_folder(root: Path, classes, per_class: int = 4, size: int = 20) -> Path:
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+    return root
+
+
+def cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """A command as a user runs it; returns the finished process (stdout and stderr as text)."""
+    return subprocess.run([PY, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The refusal of a command: exit status 2, no traceback, one ``error:`` line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def tiny_vae(path: Path, scaling_factor: float = 0.18215, seed: int = 0) -> Path:
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, sample_size=32,
+                  scaling_factor=scaling_factor).save_pretrained(path)
+    return path
+
+
+def extract(images: Path, vae: Path, out: Path):
+    from diffusion.extract_latents import main
+
+    return main(["--data-path", str(images), "--vae", str(vae), "--out", str(out), "--image-size", "32",
+                 "--shard-size", "4", "--batch-size", "4", "--num-workers", "0"])
+
+
+def dit_cfg(*overrides):
+    from diffusion.train import TrainConfig
+
+    return load_config(TrainConfig, ROOT / "configs/dit_b2_siamese.yaml", [*TINY_DIT, *overrides])
+
+
+@pytest.fixture(scope="module")
+def latents(tmp_path_factory):
+    """Latents of a 2-class folder named like ImageNet-21k WordNet ids (not ImageNet-1k ones), and their VAE."""
+    root = tmp_path_factory.mktemp("bad_input_latents")
+    images = write_folder(root / "images", ["n99999999", "n88888888"], per_class=4, size=40)
+    vae = tiny_vae(root / "vae")
+    meta = extract(images, vae, root / "lat")
+    return root, meta
+
+
+# ------------------------------------------------------------------------------------------- folders
+
+def test_a_symlink_loop_is_refused_naming_the_link(tmp_path):
+    train = write_folder(tmp_path / "data" / "train", ["c0", "c1"])
+    write_folder(tmp_path / "data" / "val", ["c0", "c1"])
+    (train / "c0" / "loop").symlink_to("..")
+    with pytest.raises(ImageFolderError, match=r"c0/loop is a symlink loop"):
+        image_files(train)
+    with pytest.raises(ImageFolderError, match=r"c0/loop is a symlink loop"):
+        scan_image_folder(train)
+    from vision.data import DataConfig, build_dataset
+
+    with pytest.raises(ImageFolderError, match=r"c0/loop is a symlink loop.*expected the layout"):
+        build_dataset(DataConfig(path=str(tmp_path / "data"), num_classes=2), "train")
+    from common.metrics import FolderImages, MetricsError
+
+    with pytest.raises(MetricsError, match="symlink loop"):
+        FolderImages(train)
+
+
+def test_a_loop_through_two_links_is_refused_and_a_plain_link_is_followed(tmp_path):
+    folder = write_folder(tmp_path / "train", ["c0"])
+    other = write_folder(tmp_path / "other", ["x"])
+    (folder / "c0" / "more").symlink_to(other / "x")  # a link to images elsewhere: followed, as torchvision does
+    assert len(image_files(folder)) == 8
+    classes, samples = scan_image_folder(folder)
+    from torchvision.datasets.folder import find_classes, make_dataset
+
+    assert (classes, samples) == (find_classes(str(folder))[0], make_dataset(str(folder), {"c0": 0}, (".png",)))
+    (other / "x" / "back").symlink_to(folder / "c0")  # c0 -> more -> back -> c0 ...
+    with pytest.raises(ImageFolderError, match="more/back is a symlink loop"):
+        image_files(folder)
+
+
+def test_an_empty_class_folder_is_named_with_its_split(tmp_path, capsys):
+    from vision import train as deit_train
+
+    write_folder(tmp_path / "data" / "train", ["c0", "c1"])
+    write_folder(tmp_path / "data" / "val", ["c0", "c1"])
+    (tmp_path / "data" / "train" / "c2").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        deit_train.main(["--config", str(ROOT / "configs/deit_tiny_siamese.yaml"), *DEIT,
+                         f"data.path={tmp_path / 'data'}", "data.num_classes=3", f"train.output_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"class folder {tmp_path / 'data' / 'train' / 'c2'} and its sub-folders hold no images" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_and_val_with_other_class_names_are_refused(tmp_path, capsys):
+    from vision import train as deit_train
+
+    write_folder(tmp_path / "data" / "train", ["c0", "c1", "c2"])
+    write_folder(tmp_path / "data" / "val", ["c0", "c1", "c3"])
+    with pytest.raises(SystemExit) as exit_info:
+        deit_train.main(["--config", str(ROOT / "configs/deit_tiny_siamese.yaml"), *DEIT,
+                         f"data.path={tmp_path / 'data'}", "data.num_classes=3", f"train.output_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "train and val class folders differ (only in train: c2; only in val: c3)" in err
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------- latents and VAEs
+
+def test_grids_of_classes_imagenet_1k_does_not_know_use_the_folder_names(latents, tmp_path):
+    from diffusion.sample import class_names
+    from diffusion.train import train
+
+    assert class_names(3, names=["n99999999", "n01440764", "cat"]) == ["n99999999", "tench", "cat"]
+    root, meta = latents
+    final = train(dit_cfg(f"data.path={root / 'lat'}", f"data.autoencoder={root / 'vae'}", "data.num_classes=2",
+                          "train.sample_every=1", f"train.output_dir={tmp_path / 'run'}"))
+    assert final["steps"] == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == ["step_0000001.png", "step_0000002.png"]
+
+
+def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path):
+    from diffusion.sample import VAEMismatchError
+
+    root, meta = latents
+    assert len(meta["vae_sha256"]) == 64
+    other_scale = tiny_vae(tmp_path / "sdxl_like", scaling_factor=0.13025)
+    other_weights = tiny_vae(tmp_path / "retrained", seed=1)
+    from diffusion.train import train
+
+    for vae, differs in ((other_scale, "scaling factor 0.13025"), (other_weights, "weights sha256")):
+        with pytest.raises(VAEMismatchError, match=rf"data.autoencoder={vae} is not the VAE the latents in .* were "
+                                                   rf"encoded with .*this one: .*{differs}"):
+            train(dit_cfg(f"data.path={root / 'lat'}", f"data.autoencoder={vae}", "data.num_classes=2",
+                          "train.sample_every=1", f"train.output_dir={tmp_path / 'run'}"))
+        assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_weights_trained_on_latents_refuse_another_vae_when_sampled(latents, tmp_path):
+    """Trained without grids (no VAE loaded), the weights still record the latents' VAE; sampling checks it."""
+    from diffusion.train import train
+
+    root, meta = latents
+    train(dit_cfg(f"data.path={root / 'lat'}", "data.autoencoder=none", "data.num_classes=2", "train.sample_every=0",
+                  f"train.output_dir={tmp_path / 'run'}"))
+    other = tiny_vae(tmp_path / "other", seed=1)
+    ema = tmp_path / "run" / "ema.safetensors"
+    refused = cli("-m", "diffusion.sample", "--checkpoint", str(ema), "--vae", str(other), "--grid",
+                  str(tmp_path / "g.png"), "--steps", "2")
+    assert "is not the VAE the model was trained on" in one_line(refused) and meta["vae_sha256"][:16] in refused.stderr
+    ok = cli("-m", "diffusion.sample", "--checkpoint", str(ema), "--vae", str(root / "vae"), "--grid",
+             str(tmp_path / "g.png"), "--steps", "2", "--quiet")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_extraction_resume_refuses_a_vae_replaced_in_place(tmp_path):
+    from diffusion.extract_latents import main as extract_main
+
+    images = write_folder(tmp_path / "images", ["a", "b"], per_class=4, size=40)
+    vae = tiny_vae(tmp_path / "vae")
+    extract(images, vae, tmp_path / "lat")
+    (tmp_path / "lat" / "shard_00001.safetensors").unlink()  # an interrupted extraction
+    tiny_vae(vae, seed=1)  # other weights at the same path
+    with pytest.raises(SystemExit, match="encoded by other VAE weights than --vae .* replaced in place") as exit_info:
+        extract_main(["--data-path", str(images), "--vae", str(vae), "--out", str(tmp_path / "lat"), "--image-size",
+                      "32", "--shard-size", "4", "--batch-size", "4", "--num-workers", "0"])
+    assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+@pytest.mark.parametrize("override", ["optim.base_lr=.nan", "optim.base_lr=.inf", "optim.min_lr=-.inf",
+                                      "augment.mixup=.nan", "optim.betas=[0.9, .nan]"])
+def test_non_finite_numbers_are_refused_for_every_float_setting(override):
+    from vision.train import TrainConfig
+
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        load_config(TrainConfig, ROOT / "configs/fmnist_deit.yaml", [override])
+
+
+def test_a_yaml_file_with_a_tab_is_one_line(tmp_path):
+    recipe = tmp_path / "tab.yaml"
+    recipe.write_text("optim:\n\tbatch_size: 8\n")
+    err = one_line(cli("-m", "vision.train", "--config", str(recipe)))
+    assert err == f"error: {recipe} is not valid YAML: found character '\\t' that cannot start any token at line 2, " \
+                  "column 1 (YAML indents with spaces, never tabs)"
+
+
+@pytest.mark.fashion_mnist
+def test_grids_and_fids_of_nan_weights_do_not_stop_the_run_before_the_non_finite_guard(tmp_path, capsys):
+    """At lr 1e20 the first step blows the weights up; the grid and the FID of the next steps see NaN samples. The
+    run must end as documented: the non-finite guard's error, after drawing the grids (black) and logging NaN FIDs."""
+    from diffusion.train import TrainConfig, train
+
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    from scripts import train_fmnist_classifier
+
+    train_fmnist_classifier.main(["--out", str(weights), "--epochs", "1", "--limit", "256", "--batch-size", "64"])
+    cfg = load_config(TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml", [
+        "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=0", "train.tensorboard=false",
+        "train.threads=1", "data.max_samples=32", "optim.batch_size=8", "optim.steps=8", "optim.lr=1e20",
+        "train.ema_decay=0.5", "train.log_every=1", "train.max_nonfinite=3", "train.sample_every=1",
+        "train.sample_count=2", "train.sample_steps=2", "train.fid_every=1", "train.fid_samples=4", "train.fid_steps=2",
+        f"train.fid_extractor_weights={weights}", f"train.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(NonFiniteLossError):
+        train(cfg)
+    out = capsys.readouterr().out
+    assert "samples are not finite (drawn black)" in out and "fid/fd is NaN" in out
+    assert (tmp_path / "run" / "samples" / "step_0000002.png").is_file()
+    fids = [r["fid/fd"] for r in read_metrics(tmp_path / "run") if "fid/fd" in r]
+    assert "nan" in fids
+
+
+# ------------------------------------------------------------------------------------------- files
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1200 KiB file system (tmpfs): two checkpoints of the tiny DeiT fit, a third does not. Skipped where this
+    process may not mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.fashion_mnist
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_checkpoint_before(small_disk):
+    run_dir = small_disk / "run"
+    proc = cli("-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml", *DEIT,
+               "data.max_train_samples=64", "data.max_val_samples=16", "optim.batch_size=16", "optim.epochs=40",
+               "train.ckpt_every=1", f"train.output_dir={run_dir}")
+    err = one_line(proc)
+    assert err.startswith(f"error: could not write {run_dir}") and "No space left on device" in err, err
+    from common.train_state import CheckpointManager, load_training_checkpoint
+
+    kept = CheckpointManager(run_dir / "checkpoints").steps()
+    assert kept and load_training_checkpoint(CheckpointManager(run_dir / "checkpoints").path_for(kept[-1]))["step"]
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_a_read_only_file_system_is_one_line_and_keeps_the_file(small_disk):
+    from common.checkpoint import save_weights
+    from common.durable import atomic_write_text
+
+    target = small_disk / "metrics.json"
+    atomic_write_text(target, "old")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    with pytest.raises(DiskWriteError, match=rf"could not write {target}: Read-only file system. metrics.json keeps"):
+        atomic_write_text(target, "new")
+    with pytest.raises(DiskWriteError, match="Read-only file system"):
+        save_weights(torch.nn.Linear(2, 2), small_disk / "w.safetensors")
+    assert target.read_text() == "old"
+
+
+def test_a_damaged_safetensors_checkpoint_is_one_line_for_the_sampler(tmp_path):
+    from safetensors.torch import save_file
+
+    good = tmp_path / "ema.safetensors"
+    save_file({"w": torch.zeros(1000)}, str(good), metadata={"model": "DiT-S/4"})
+    data = good.read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(data[: len(data) // 2])
+    (tmp_path / "bad_header.safetensors").write_bytes(b"\xff" * 8 + data[8:])
+    for name in ("truncated", "bad_header"):
+        err = one_line(cli("-m", "diffusion.sample", "--checkpoint", str(tmp_path / f"{name}.safetensors"), "--grid",
+                           str(tmp_path / "g.png")))
+        assert f"{name}.safetensors is damaged or not a weights file" in err
+
+
+# ------------------------------------------------------------------------------------------- optional pieces
+
+@pytest.mark.fashion_mnist
+def test_in_training_fid_without_classifier_weights_names_the_training_setting(tmp_path):
+    proc = cli("-m", "diffusion.train", "--config", "configs/fmnist_dit_siamese.yaml", "train.fid_every=2",
+               f"train.output_dir={tmp_path / 'run'}", env={"SIAMESENORM_CACHE": str(tmp_path / "empty_cache")})
+    err = one_line(proc)
+    assert "scripts.train_fmnist_classifier" in err and "train.fid_extractor_weights=PATH" in err
+    assert "--extractor-weights" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fashion_mnist
+def test_the_dali_backend_without_dali_says_how_to_install_it(tmp_path):
+    pytest.importorskip("torch")  # keeps the import order of the other tests
+    try:
+        import nvidia.dali  # noqa: F401
+
+        pytest.skip("DALI is installed here")
+    except ImportError:
+        pass
+    err = one_line(cli("-m", "vision.train", "--config", "configs/fmnist_deit.yaml", "data.backend=dali",
+                       f"train.output_dir={tmp_path / 'run'}"))
+    assert "pip install -e '.[dali]'" in err and "data.backend=torch" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fashion_mnist
+def test_a_batch_two_processes_cannot_split_is_said_once(tmp_path):
+    proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "vision.train", "--config", "configs/fmnist_deit.yaml",
+                           "optim.batch_size=127", f"train.output_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: global batch size 127 is not divisible by processes (2) x gradient accumulation (1); "
+                      "change optim.batch_size or optim.grad_accum"], proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------- durability
+
+@pytest.mark.fashion_mnist
+def test_evaluation_results_and_metrics_lines_are_flushed_to_disk(tmp_path, monkeypatch):
+    import common.durable as durable
+    import common.logging as logging_module
+
+    synced = []
+    real = os.fsync
+    record = lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))  # noqa: E731
+    monkeypatch.setattr(durable.os, "fsync", record)
+    monkeypatch.setattr(logging_module.os, "fsync", record)
+    from vision import train as deit_train
+
+    cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml",
+                      [*DEIT, "data.max_train_samples=8", "data.max_val_samples=8", f"train.output_dir={tmp_path / 'r'}"])
+    deit_train.train(cfg)
+    assert synced.count(str(tmp_path / "r" / "metrics.jsonl")) == len(read_metrics(tmp_path / "r"))
+    from vision import evaluate
+
+    synced.clear()
+    evaluate.main(["--config", str(tmp_path / "r" / "config.yaml"), f"checkpoint={tmp_path / 'r' / 'model.safetensors'}",
+                   f"output={tmp_path / 'eval.json'}"])
+    assert str(tmp_path / "eval.json.tmp") in synced and json.loads((tmp_path / "eval.json").read_text())["images"] == 8
