@@ -5,14 +5,12 @@ accelerate reads the launcher's environment.
 
     accelerator = build_accelerator(precision="auto", run_dir="runs/x")   # bf16 on CUDA, fp32 on CPU
     seed_everything(cfg.seed, accelerator.process_index)                  # distinct, reproducible per rank
-    mean_loss = reduce_mean(accelerator, loss)                            # same value on every rank
     states = gather_objects(accelerator, capture_rng_state())             # list, one entry per rank
 """
 from __future__ import annotations
 
 import os
 import random
-import warnings
 from typing import Any, List, Optional, Union
 
 import numpy as np
@@ -63,22 +61,6 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     return s
 
 
-def reduce_mean(accelerator, value: Union[torch.Tensor, float]) -> torch.Tensor:
-    """Mean of a scalar over all processes (a detached float32 tensor on the accelerator's device)."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=accelerator.device).detach().clone()
-    if accelerator.num_processes > 1:
-        t = accelerator.reduce(t, reduction="mean")
-    return t
-
-
-def reduce_sum(accelerator, value: Union[torch.Tensor, float]) -> torch.Tensor:
-    """Sum of a scalar or tensor over all processes."""
-    t = torch.as_tensor(value, device=accelerator.device).detach().clone()
-    if accelerator.num_processes > 1:
-        t = accelerator.reduce(t, reduction="sum")
-    return t
-
-
 def gather_objects(accelerator, obj: Any) -> List[Any]:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank (picklable objects)."""
     if accelerator.num_processes == 1:
@@ -97,8 +79,3 @@ def check_divisible(global_batch: int, world_size: int, grad_accum: int = 1) -> 
         raise ValueError(f"global batch size {global_batch} is not divisible by processes ({world_size}) x "
                          f"gradient accumulation ({grad_accum}); change optim.batch_size or optim.grad_accum")
     return global_batch // denom
-
-
-def warn_once_main(accelerator, message: str) -> None:
-    if accelerator.is_main_process:
-        warnings.warn(message, stacklevel=2)

@@ -105,12 +105,6 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
-    with atomic_write(path) as tmp:
-        tmp.write_bytes(data)
-    return Path(path)
-
-
 def atomic_write_text(path: PathLike, text: str) -> Path:
     with atomic_write(path) as tmp:
         tmp.write_text(text)

@@ -1,8 +1,9 @@
 """The training loop of both families, written once.
 
-A *task* (:class:`vision.task.DeiTTask`, :class:`diffusion.task.DiTTask`) brings what is its own: the training
-examples, the model, the loss, the learning-rate schedule, and what happens after a step (evaluation, sample
-grids, in-training FID). :class:`Trainer` does everything else, the same way for both:
+A *task* (:class:`vision.task.DeiTTask`, :class:`diffusion.task.DiTTask`) brings what is its own, through the
+small contract of :class:`Task`: the training examples, the model, the loss, the learning-rate schedule, and what
+happens after a step (evaluation, sample grids, in-training FID). Its hooks see a read-only :class:`StepContext`,
+never the trainer. :class:`Trainer` does everything else, the same way for both:
 
 * the run directory: a lock (one run per directory), ``config.yaml`` written only after every check passed and
   always describing what the run does, ``metrics.jsonl`` + TensorBoard cut back to the resumed step;
@@ -12,7 +13,7 @@ grids, in-training FID). :class:`Trainer` does everything else, the same way for
 * the step: ``optim.grad_accum`` micro-batches (no gradient all-reduce but the last), autocast, gradient norm
   (clipping only when ``optim.clip_grad`` is set), fused AdamW, EMA. Whether a step is finite is decided on the
   device: a non-finite step changes neither the weights, the optimizer state nor the EMA, and the host never
-  waits for the device except on logging and checkpoint steps (loss and gradient-norm windows accumulate there);
+  waits for the device except on logging and checkpoint steps (a :class:`LogWindow` accumulates there);
 * checkpoints every ``train.ckpt_every`` steps, at ``train.stop_at_step`` and at the end, never during a streak of
   non-finite steps (the newest checkpoint is always one taken after a finite step);
 * task hooks run under :func:`preserved_rng`, so evaluation never moves training randomness (a resumed run is
@@ -27,9 +28,10 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Literal, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.utils.data import Dataset
 
 from common.checkpoint import bare_model, save_weights
 from common.cli import InputError, one_line_errors
@@ -114,11 +116,129 @@ RESUMABLE_CHANGES = (
 )
 
 
-def default_feed(dataset, sampler: ResumableSampler, batch_size: int, num_workers: int, device,
-                 device_transform=None) -> DevicePrefetcher:
-    """Batches of per-sample seeded items from persistent workers, moved (and finished by ``device_transform``) on
-    the device one batch ahead. A task's ``build_feed`` returns this or its own (e.g. DALI) iterable of batches."""
-    return DevicePrefetcher(build_train_loader(dataset, sampler, batch_size, num_workers), device, device_transform)
+@dataclass(frozen=True)
+class StepContext:
+    """What a task's hooks see of the run after a step: read-only, and nothing of the trainer itself."""
+
+    step: int
+    epoch: int  # epochs completed at this step
+    epoch_end: bool  # this step ended an epoch
+    last: bool  # this step is the run's last
+    model: torch.nn.Module  # the trained weights (bare: no DDP or compile wrapper)
+    ema_model: Optional[torch.nn.Module]  # the EMA weights, None without train.ema_decay
+    run_dir: Path
+    set_postfix: Callable[..., None]  # show values on the progress bar: set_postfix(fd="12.3")
+
+
+class Task:
+    """What a model family brings to :class:`Trainer`: set or override the members above the line of no-op
+    defaults; the rest is optional.
+
+    Required: :meth:`setup` (build the data; set :attr:`train_set`), :attr:`lr`, :meth:`build_model`,
+    :meth:`total_steps`, :meth:`loss`. Optional: everything else.
+    """
+
+    train_set: Dataset  # set by setup(); item i is the i-th training example (seeded per sample by the feed)
+    lr: float  # the optimizer's (peak) learning rate
+
+    def setup(self, accelerator) -> None:
+        """Build the data and everything that can fail on bad input, before any file is written."""
+        raise NotImplementedError
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """``(mean loss, {part: mean value})`` of one micro-batch, the parts named by :attr:`loss_parts`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optional, with no-op defaults
+    repeats: int = 1  # copies of each example per epoch (repeated augmentation)
+    loss_parts: Tuple[str, ...] = ()  # extra loss terms, logged as train/<part>
+    resumable_changes: Tuple[str, ...] = ()  # settings (dotted prefixes) a resumed run may change, beyond the loop's
+    batch_transform: Optional[Callable] = None  # runs on the device on every batch of the standard feed
+
+    def build_feed(self, sampler: ResumableSampler, batch_size: int, device) -> Optional[Iterable]:
+        """An iterable of device batches instead of the standard feed (per-sample seeded workers, moved to the
+        device one batch ahead, :attr:`batch_transform` applied there); None keeps the standard one."""
+        return None
+
+    def lr_scheduler(self, optimizer, steps_per_epoch: int, total_steps: int):
+        """An object with ``step_update(step)`` (timm's schedulers), or None for a constant learning rate."""
+        return None
+
+    def run_summary(self) -> dict:
+        """Constants logged once at step 0."""
+        return {}
+
+    def log_extras(self) -> dict:
+        """Values added to every training log record."""
+        return {}
+
+    def after_step(self, ctx: StepContext) -> Optional[dict]:
+        """Evaluation, grids, FID after a step (under preserved random state); metrics to log, or None."""
+        return None
+
+    def final_metrics(self, ctx: StepContext) -> dict:
+        """Added to ``final_metrics.json``."""
+        return {}
+
+    def weights_metadata(self, step: int) -> dict:
+        """Written into ``model.safetensors`` / ``ema.safetensors``: what a loader needs to rebuild the model."""
+        return {"step": step}
+
+
+class LogWindow:
+    """The steps since the last log record, summed on the device (finite steps, loss, gradient norm, the task's
+    loss parts) and timed on the host; read once per logging step, which is then the only host sync."""
+
+    def __init__(self, parts: Sequence[str], device):
+        self.parts = tuple(parts)
+        self.sums = torch.zeros(3 + len(self.parts), device=device)  # finite steps, loss, grad norm, parts
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums.zero_()
+        self.steps, self.seconds, self.waited = 0, 0.0, 0.0
+
+    def add(self, finite: torch.Tensor, means: torch.Tensor, grad_norm: torch.Tensor, waited: float) -> None:
+        """One optimizer step: ``means`` = [loss, parts...] of its micro-batches (a non-finite step adds only 0s),
+        ``waited`` the seconds it waited for batches."""
+        values = torch.cat([means[:1], grad_norm[None].float(), means[1:]])
+        self.sums += torch.cat([finite.float()[None], torch.where(finite, values, 0.0)])
+        self.waited += waited
+
+    def add_time(self, seconds: float) -> None:
+        """The wall time of one optimizer step."""
+        self.steps += 1
+        self.seconds += seconds
+
+    def read(self, world: int, *also: torch.Tensor) -> Tuple[dict, List[float]]:
+        """``({train/loss, train/grad_norm, train/<part>, ...}, the values of also)``; means over the window's
+        finite steps and all processes, NaN where none was finite. ``also`` rides along in the same host read."""
+        sums = self.sums
+        if world > 1:
+            sums = sums.clone()
+            torch.distributed.all_reduce(sums)
+        count, loss, grad_norm, *parts_and_also = torch.cat([sums, *[a.float() for a in also]]).tolist()
+        parts, extra = parts_and_also[:len(self.parts)], parts_and_also[len(self.parts):]
+        count /= world  # every process counted the same (agreed) steps
+        mean = (lambda v: v / world / count) if count else (lambda v: math.nan)
+        steps_per_s = self.steps / max(self.seconds, 1e-9)
+        record = {"train/loss": mean(loss), **{f"train/{k}": mean(v) for k, v in zip(self.parts, parts)},
+                  "train/grad_norm": mean(grad_norm), "train/steps_per_s": steps_per_s,
+                  "train/data_wait": self.waited / max(self.seconds, 1e-9)}
+        return record, extra
+
+
+def task_feed(task: Task, sampler: ResumableSampler, batch_size: int, num_workers, device) -> Iterable:
+    """The task's own feed, or the standard one: per-sample seeded items from persistent workers, moved to the
+    device one batch ahead and finished there by the task's :attr:`Task.batch_transform`."""
+    return task.build_feed(sampler, batch_size, device) or DevicePrefetcher(
+        build_train_loader(task.train_set, sampler, batch_size, num_workers), device, task.batch_transform)
 
 
 def resolve_compile(setting, device: torch.device) -> bool:
@@ -192,15 +312,14 @@ class Trainer:
         run, optim, task, accelerator = self.run, self.optim, self.task, self.accelerator
         task.setup(accelerator)
         self.per_process_batch = check_divisible(optim.batch_size, self.world, optim.grad_accum)
-        self.sampler = ResumableSampler(len(task.train_set), self.world, self.rank, seed=run.seed,
-                                        repeats=getattr(task, "repeats", 1))
+        self.sampler = ResumableSampler(len(task.train_set), self.world, self.rank, seed=run.seed, repeats=task.repeats)
         self.samples_per_step = self.per_process_batch * optim.grad_accum  # per process
         self.steps_per_epoch = len(self.sampler) // self.samples_per_step
         if self.steps_per_epoch == 0:
             raise ValueError(f"an epoch has {len(self.sampler)} samples per process, fewer than one step needs "
                              f"({self.samples_per_step}); lower optim.batch_size or use more data")
         self.total_steps = task.total_steps(self.steps_per_epoch)
-        self.feed = task.build_feed(self.sampler, self.per_process_batch, accelerator.device)
+        self.feed = task_feed(task, self.sampler, self.per_process_batch, self.cfg.data.num_workers, accelerator.device)
 
         seed_everything(run.seed)  # the same initial weights on every rank
         model = task.build_model().to(accelerator.device)
@@ -282,9 +401,7 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step_update(step)
         self.bar = progress_bar(accelerator, self.total_steps, initial=step)
-        self.window = torch.zeros(3 + len(self.task.loss_parts), device=accelerator.device)  # count, loss, gn, parts
-        self.window_time = self.window_wait = 0.0
-        self.window_steps = 0
+        self.window = LogWindow(self.task.loss_parts, accelerator.device)
         self.last_record: dict = {}
         self.last_saved = step
         try:
@@ -310,8 +427,7 @@ class Trainer:
                 started = time.perf_counter()
                 self.train_step(batches)
                 self.step += 1
-                self.window_time += time.perf_counter() - started
-                self.window_steps += 1
+                self.window.add_time(time.perf_counter() - started)
                 if self.scheduler is not None:
                     self.scheduler.step_update(self.step)
                 self.bar.update(1)
@@ -331,7 +447,7 @@ class Trainer:
         return None
 
     def train_step(self, batches) -> None:
-        """One optimizer step: micro-batches, gradient norm, device-side finite check, AdamW, EMA, windows."""
+        """One optimizer step: micro-batches, gradient norm, device-side finite check, AdamW, EMA, log window."""
         accelerator, optim, task = self.accelerator, self.optim, self.task
         sums = None
         wait = 0.0
@@ -345,7 +461,6 @@ class Trainer:
                 accelerator.backward(loss / optim.grad_accum)
             values = torch.stack([loss.detach().float(), *(parts[k].detach().float() for k in task.loss_parts)])
             sums = values if sums is None else sums + values
-        self.window_wait += wait
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if optim.clip_grad is not None:
@@ -360,33 +475,19 @@ class Trainer:
             self.ema.update(self.model, self.step + 1, skip=found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.record(found_inf)
-        finite = found_inf == 0
-        self.window += torch.cat([finite.float()[None], torch.where(finite, torch.cat([means[:1], grad_norm[None].float(),
-                                                                                      means[1:]]), 0.0)])
+        self.window.add(found_inf == 0, means, grad_norm, wait)
 
     def _log_window(self) -> None:
-        """Log the window's means (one host sync); NaN where every step of the window was non-finite."""
-        window = self.window
-        if self.world > 1:
-            window = window.clone()
-            torch.distributed.all_reduce(window)
-        count, loss, grad_norm, *parts, in_row, total = torch.cat([window, self.guard.counts.float()]).tolist()
-        count /= self.world  # every rank counted the same (agreed) steps
+        """Log the window's means (one host sync); stop on a streak of non-finite steps."""
+        record, (in_row, total) = self.window.read(self.world, self.guard.counts)
         in_row, total = int(in_row), int(total)
-        mean = (lambda v: v / self.world / count) if count else (lambda v: math.nan)
-        steps_per_s = self.window_steps / max(self.window_time, 1e-9)
-        record = {"train/loss": mean(loss), **{f"train/{k}": mean(v) for k, v in zip(self.task.loss_parts, parts)},
-                  "train/grad_norm": mean(grad_norm), "train/lr": self.optimizer.param_groups[0]["lr"],
-                  "train/epoch": self.step / self.steps_per_epoch, "train/steps_per_s": steps_per_s,
-                  "train/images_per_s": steps_per_s * self.optim.batch_size,
-                  "train/data_wait": self.window_wait / max(self.window_time, 1e-9),
-                  "train/nonfinite_steps": total, **self.task.log_extras(self)}
+        record.update({"train/lr": self.optimizer.param_groups[0]["lr"], "train/epoch": self.step / self.steps_per_epoch,
+                       "train/images_per_s": record["train/steps_per_s"] * self.optim.batch_size,
+                       "train/nonfinite_steps": total, **self.task.log_extras()})
         self.logger.log(record, self.step)
         self.last_record = record
         self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", lr=f"{record['train/lr']:.2e}")
-        self.window.zero_()
-        self.window_time = self.window_wait = 0.0
-        self.window_steps = 0
+        self.window.reset()
         if in_row >= self.guard.max_in_row:
             raise self._diverged(in_row, total)
 
@@ -434,17 +535,23 @@ class Trainer:
         self.last_saved = self.step
         self.accelerator.wait_for_everyone()
 
+    def context(self, last: bool, epoch_end: bool) -> StepContext:
+        return StepContext(step=self.step, epoch=self.step // self.steps_per_epoch, epoch_end=epoch_end, last=last,
+                           model=bare_model(self.model), ema_model=self.ema.module if self.ema is not None else None,
+                           run_dir=self.run_dir, set_postfix=self.bar.set_postfix)
+
     def _after_step(self, last: bool, epoch_end: bool = True) -> None:
         """The task's evaluation / sampling hooks, which must not move training randomness."""
         with preserved_rng():
-            metrics = self.task.after_step(self, last=last, epoch_end=epoch_end)
+            metrics = self.task.after_step(self.context(last, epoch_end))
         if metrics:
             self.logger.log(metrics, self.step)
 
     def _finish(self) -> dict:
         accelerator = self.accelerator
         final = {"steps": self.step, "params": self.n_params, "nonfinite_steps": self.guard.read()[1],
-                 **{k.split("/", 1)[1]: v for k, v in self.last_record.items()}, **self.task.final_metrics(self)}
+                 **{k.split("/", 1)[1]: v for k, v in self.last_record.items()},
+                 **self.task.final_metrics(self.context(last=True, epoch_end=self.step % self.steps_per_epoch == 0))}
         if accelerator.is_main_process:
             meta = self.task.weights_metadata(self.step)
             save_weights(self.model, self.run_dir / "model.safetensors", metadata=meta)

@@ -21,7 +21,6 @@ from typing import Any, Dict, Optional
 import torch
 
 from common import trainer
-from common.checkpoint import bare_model
 from common.data import resolve_num_workers
 from common.residual import check_topology
 from diffusion.data import DataConfig, DiffusionExamples, build_images
@@ -255,7 +254,7 @@ class InTrainingFid:
                 "fid/steps": self.cfg.fid_steps, "fid/seconds": time.perf_counter() - start}
 
 
-class DiTTask:
+class DiTTask(trainer.Task):
     """DiT's pieces for :class:`common.trainer.Trainer`."""
 
     loss_parts = ("mse", "vb")
@@ -288,17 +287,11 @@ class DiTTask:
         self.fid = (InTrainingFid(run, accelerator.device, resolve_num_workers(cfg.data.num_workers))
                     if run.fid_every else None)
 
-    def build_feed(self, sampler, batch_size: int, device):
-        return trainer.default_feed(self.train_set, sampler, batch_size, self.cfg.data.num_workers, device)
-
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg, self.sample_shape)
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.cfg.optim.steps
-
-    def lr_scheduler(self, optimizer, steps_per_epoch: int, total_steps: int):
-        return None  # constant
 
     def loss(self, model, batch):
         x0, y, t, noise, drop = batch
@@ -306,13 +299,7 @@ class DiTTask:
         losses = self.diffusion.training_losses(model, x0, t, noise, kwargs)
         return losses["loss"].mean(), {k: losses[k].mean() for k in self.loss_parts}
 
-    def run_summary(self) -> dict:
-        return {}
-
-    def log_extras(self, trainer) -> dict:
-        return {}
-
-    def _build_samplers(self, trainer) -> None:
+    def _build_samplers(self, ctx: trainer.StepContext) -> None:
         """The samplers, once, when first needed: the grid sampler on the main process, the FID sampler on every
         process (in-training FID samples on all of them)."""
         cfg, run, device = self.cfg, self.cfg.train, self.accelerator.device
@@ -320,7 +307,7 @@ class DiTTask:
         main = self.accelerator.is_main_process
         if not (run.fid_every or (run.sample_every and main)):
             return
-        weights = trainer.ema.module if trainer.ema is not None else bare_model(trainer.model)
+        weights = ctx.ema_model if ctx.ema_model is not None else ctx.model
         decoder = self.decoder  # loaded in setup(), shared by both samplers
         if run.sample_every and main:
             self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.sample_steps,
@@ -332,29 +319,29 @@ class DiTTask:
         if run.fid_every:
             self.fid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.fid_steps)
 
-    def after_step(self, trainer, last: bool, epoch_end: bool) -> Optional[dict]:
-        run, step = self.cfg.train, trainer.step
-        grid = run.sample_every and (step % run.sample_every == 0 or last)
-        fid = run.fid_every and (step % run.fid_every == 0 or last)
+    def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
+        run, step = self.cfg.train, ctx.step
+        grid = run.sample_every and (step % run.sample_every == 0 or ctx.last)
+        fid = run.fid_every and (step % run.fid_every == 0 or ctx.last)
         if not (grid or fid):
             return None
         if not self._samplers_built:
-            self._build_samplers(trainer)
+            self._build_samplers(ctx)
         metrics = None
         if grid and self.accelerator.is_main_process:
-            save_grid(self.grid_sampler, self.cfg, trainer.run_dir / "samples" / f"step_{step:07d}.png", self.grid_names)
+            save_grid(self.grid_sampler, self.cfg, ctx.run_dir / "samples" / f"step_{step:07d}.png", self.grid_names)
         if fid:
             metrics = self.fid(self.fid_sampler, self.accelerator)
             if metrics is not None:
                 self.last_fid = metrics
-                trainer.bar.set_postfix(fd=f"{metrics['fid/fd']:.3f}")
+                ctx.set_postfix(fd=f"{metrics['fid/fd']:.3f}")
         self.accelerator.wait_for_everyone()
         return metrics
 
-    def final_metrics(self, trainer) -> dict:
+    def final_metrics(self, ctx: trainer.StepContext) -> dict:
         if not self.last_fid:
             return {}
-        return {"fid": self.last_fid["fid/fd"], "fid_samples": self.last_fid["fid/samples"], "fid_step": trainer.step}
+        return {"fid": self.last_fid["fid/fd"], "fid_samples": self.last_fid["fid/samples"], "fid_step": ctx.step}
 
     def weights_metadata(self, step: int) -> dict:
         return weights_metadata(self.cfg, self.sample_shape, step, self.latent_vae)

@@ -612,9 +612,6 @@ def parse_args(argv=None):
     for key in ("train_images", "val_images", "diag_images"):
         if getattr(args, key, None) == 0:
             setattr(args, key, None)
-    for key in ("epochs", "steps", "fid_samples", "sample_steps", "ema_decay"):
-        if not hasattr(args, key) or getattr(args, key) is None:
-            setattr(args, key, PRESETS[(args.task, args.quick)].get(key))
     args.out = args.out or ROOT / "runs" / f"compare_{args.task}{'_quick' if args.quick else ''}"
     args.report = args.report or args.out
     from common.residual import MODEL_TOPOLOGIES

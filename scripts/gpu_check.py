@@ -181,6 +181,7 @@ def data_feed(workdir: Path, device, tiny: bool) -> dict:
     from common.data import ResumableSampler
     from common.distributed import build_accelerator
     from vision.data import AugmentConfig, DataConfig
+    from common.trainer import task_feed
     from vision.task import DeiTTask, TrainConfig
 
     write_image_folder(workdir / "feed", 128 if tiny else 2048)
@@ -192,7 +193,7 @@ def data_feed(workdir: Path, device, tiny: bool) -> dict:
     task.setup(build_accelerator("bf16" if torch.cuda.is_available() else "fp32", None, tensorboard=False))
     batch = 32 if tiny else 128
     sampler = ResumableSampler(len(task.train_set), seed=0, repeats=cfg.augment.repeated_aug)
-    feed = task.build_feed(sampler, batch, device)
+    feed = task_feed(task, sampler, batch, cfg.data.num_workers, device)
     batches, warmup = iter(feed), 2
     n = len(sampler) // batch
     for _ in range(warmup):

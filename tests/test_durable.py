@@ -19,7 +19,8 @@ def test_atomic_write_replaces_only_complete_content(tmp_path):
             raise RuntimeError("killed mid-write")
     assert target.read_text() == "old"
     assert sorted(p.name for p in target.parent.iterdir()) == ["file.txt"]  # the temporary file is gone
-    durable.atomic_write_bytes(target, b"new")
+    with durable.atomic_write(target) as tmp:
+        tmp.write_bytes(b"new")
     assert target.read_bytes() == b"new"
 
 

@@ -123,9 +123,9 @@ def test_compiled_models_equal_eager_and_training_does_not_recompile(tmp_path):
     graphs = []
     original = DeiTTask.after_step
 
-    def after_step(self, trainer, last, epoch_end):
-        out = original(self, trainer, last=last, epoch_end=epoch_end)
-        if epoch_end:
+    def after_step(self, ctx):
+        out = original(self, ctx)
+        if ctx.epoch_end:
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         return out
 

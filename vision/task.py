@@ -83,10 +83,9 @@ def build_criterion(augment: AugmentConfig) -> torch.nn.Module:
     return torch.nn.CrossEntropyLoss()
 
 
-class DeiTTask:
+class DeiTTask(trainer.Task):
     """DeiT's pieces for :class:`common.trainer.Trainer`."""
 
-    loss_parts = ()
     # Besides the trainer's own list: the length and the learning-rate schedule (applied from the resumed step
     # on: the cosine is recomputed for the new settings) and the evaluation settings.
     resumable_changes = ("optim.base_lr", "optim.lr_base_batch", "optim.epochs", "optim.warmup_epochs",
@@ -116,16 +115,16 @@ class DeiTTask:
                                                                 cfg.data.num_workers))
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
         self.criterion = build_criterion(cfg.augment)
+        self.batch_transform = NormalizeErase(cfg.data, cfg.augment)
 
     def build_feed(self, sampler, batch_size: int, device):
         cfg = self.cfg
-        if cfg.data.backend == "dali":
-            from vision.dali import build_dali_loader
+        if cfg.data.backend != "dali":
+            return None  # the standard feed, finished on the device by NormalizeErase
+        from vision.dali import build_dali_loader
 
-            return build_dali_loader(self.train_set, sampler, batch_size, cfg.data, cfg.augment, device,
-                                     seed=cfg.train.seed * 1000 + self.accelerator.process_index)
-        return trainer.default_feed(self.train_set, sampler, batch_size, cfg.data.num_workers, device,
-                                    NormalizeErase(cfg.data, cfg.augment))
+        return build_dali_loader(self.train_set, sampler, batch_size, cfg.data, cfg.augment, device,
+                                 seed=cfg.train.seed * 1000 + self.accelerator.process_index)
 
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg.model, self.cfg.data)
@@ -148,7 +147,7 @@ class DeiTTask:
     def run_summary(self) -> dict:
         return {"lr_peak": self.cfg.optim.lr}
 
-    def log_extras(self, trainer) -> dict:
+    def log_extras(self) -> dict:
         return {"train/skipped_images": self._skipped()}
 
     def _skipped(self) -> int:
@@ -165,22 +164,21 @@ class DeiTTask:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return int(flags.sum())
 
-    def after_step(self, trainer, last: bool, epoch_end: bool) -> Optional[dict]:
-        every = self.cfg.train.eval_every
-        epoch = trainer.step // trainer.steps_per_epoch
-        if not (last or (epoch_end and every and epoch % every == 0)):
+    def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
+        every, epoch = self.cfg.train.eval_every, ctx.epoch
+        if not (ctx.last or (ctx.epoch_end and every and epoch % every == 0)):
             return None
-        metrics = {f"val/{k}": v for k, v in evaluate(trainer.train_model, self.val_loader, self.accelerator).items()}
-        if trainer.ema is not None:
-            metrics.update({f"val_ema/{k}": v for k, v in
-                            evaluate(trainer.ema.module, self.val_loader, self.accelerator).items()})
+        # The bare model: evaluating the compiled one would compile its eval-mode graph as well.
+        metrics = {f"val/{k}": v for k, v in evaluate(ctx.model, self.val_loader, self.accelerator).items()}
+        if ctx.ema_model is not None:
+            metrics.update({f"val_ema/{k}": v for k, v in evaluate(ctx.ema_model, self.val_loader, self.accelerator).items()})
         metrics["epoch"] = epoch
         self.accelerator.print(f"epoch {epoch}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()
                                                              if k.endswith(("top1", "loss"))))
         self.last_eval = metrics
         return metrics
 
-    def final_metrics(self, trainer) -> dict:
+    def final_metrics(self, ctx: trainer.StepContext) -> dict:
         return {**self.last_eval, "skipped_images": self._skipped()}
 
     def weights_metadata(self, step: int) -> dict:
