@@ -1,6 +1,7 @@
 """YAML recipes -> typed, validated dataclasses, with ``key=value`` command-line overrides.
 
-A config schema is a (possibly nested) dataclass; every field needs a default. Loading::
+A config schema is a (possibly nested) dataclass. A field without a default is a recipe number the YAML must
+give (an error names it otherwise); sections are built from their keys. Loading::
 
     cfg = load_config(TrainConfig, "configs/deit_tiny_siamese.yaml", ["optim.batch_size=256", "data.path=/in1k"])
 
@@ -204,20 +205,51 @@ def _build(cls: Type[T], values: Mapping, where: str = "") -> T:
         raise ConfigError(f"unknown config key {k!r} in {section}{hint}; valid keys are: {', '.join(fields)}")
     kwargs = {}
     for name, f in fields.items():
+        key = f"{where}.{name}" if where else name
         if name in values:
             value = values[name]
-            if dataclasses.is_dataclass(hints[name]) and f.default_factory is not dataclasses.MISSING \
-                    and isinstance(value, Mapping):  # a partly given section starts from its schema's own default
-                value = deep_merge(config_to_dict(f.default_factory()), value)
-            kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
+            if dataclasses.is_dataclass(hints[name]) and isinstance(value, Mapping):
+                value = deep_merge(_section_default(f), value)  # a partly given section starts from its default
+            kwargs[name] = _coerce(value, hints[name], key)
         elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
-            kwargs[name] = _build(hints[name], {}, f"{where}.{name}" if where else name)
+            kwargs[name] = _build(hints[name], {}, key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            section = where.split(".")[-1] if where else None
+            raise ConfigError(f"{key} is required and not set (the YAML recipes in configs/ give it): "
+                              + (f"add `{name}: VALUE` under `{section}:` in the recipe, " if section else "")
+                              + f"or pass {key}=VALUE")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid config{' section ' + repr(where) if where else ''}: {err}") from err
+
+
+def _section_default(f: dataclasses.Field) -> dict:
+    """The values a section field starts from: its factory's (a schema may preset some), or none when the section has
+    keys without a default (required recipe numbers)."""
+    if f.default_factory is dataclasses.MISSING:
+        return {}
+    try:
+        return config_to_dict(f.default_factory())
+    except TypeError:  # required keys
+        return {}
+
+
+def schema_defaults(cls) -> dict:
+    """The defaults of a config schema as a nested dict, without building it (required keys are absent)."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = schema_defaults(hints[f.name])
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = config_to_dict(f.default) if dataclasses.is_dataclass(f.default) else \
+                (list(f.default) if isinstance(f.default, tuple) else f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = config_to_dict(f.default_factory())
+    return out
 
 
 def from_dict(cls: Type[T], values: Mapping) -> T:
@@ -270,25 +302,80 @@ def save_config(cfg, path: Union[str, os.PathLike]) -> Path:
     return atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
+def field_comments(cls) -> Dict[str, str]:
+    """``{field: its trailing comment}`` from the dataclass sources (bases first): the settings' one-line meanings
+    live next to their declarations, once."""
+    import inspect
+
+    comments: Dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for match in re.finditer(r"^    (\w+): [^\n#]*?#\s*(.+)$", source, flags=re.M):
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def readable_type(tp) -> str:
+    """An annotation as a user writes the value: ``int or null``, ``torch|dali``, ``[float, float]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        names = [readable_type(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is typing.Literal:
+        return "|".join(str(a) for a in args)
+    if origin in (tuple, list) and args:
+        return "[" + ", ".join(readable_type(a) for a in args if a is not Ellipsis) + (", ...]" if origin is list or Ellipsis in args else "]")
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def describe_settings(schema) -> List[str]:
+    """Every ``section.key`` of a schema with its type, default (or "required": a recipe number) and meaning."""
+    lines = []
+    hints = typing.get_type_hints(schema)
+    defaults = schema_defaults(schema)
+    for section in dataclasses.fields(schema):
+        cls = hints[section.name]
+        lines.append(f"  {section.name}:")
+        comments, types = field_comments(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = defaults.get(section.name, {}).get(f.name, "required")
+            shown = "required" if default == "required" else yaml.safe_dump(default, default_flow_style=True).strip()
+            shown = shown.removesuffix("\n...").removesuffix(" ...")
+            meaning = f"  {comments[f.name]}" if f.name in comments else ""
+            lines.append(f"    {section.name}.{f.name} ({readable_type(types[f.name])}, {shown}){meaning}")
+    return lines
+
+
 def config_from_cli(schema: Type[T], argv: Optional[Sequence[str]], *, prog: str, description: str,
                     examples: Sequence[str]) -> T:
     """The trainers' command line, ``--config RECIPE.yaml [section.key=value ...]``, parsed and validated.
 
-    ``--help`` lists every section and key of ``schema``; a config error exits with status 2 and its message.
+    ``--help`` lists every section and key of ``schema`` with its type, default and meaning; ``--print-config``
+    prints the resolved config (recipe, its bases and the overrides) and exits; a config error exits with status 2
+    and its message.
     """
     import argparse
 
-    lines = ["settings (section.key=value; the YAML recipe gives the values):"]
-    for section in dataclasses.fields(schema):
-        names = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
-        lines.append(f"  {section.name}: {names}")
+    lines = ["settings (section.key=value; type, default or 'required' (the recipe gives it), meaning):"]
+    lines += describe_settings(schema)
     lines.append("\nexamples:\n" + "\n".join(f"  {e}" for e in examples))
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog="\n".join(lines),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe (see configs/)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (recipe + bases + overrides, validated) as YAML and exit")
     parser.add_argument("overrides", nargs="*", help="section.key=value settings (values in YAML syntax)")
     args = parser.parse_args(argv)
     try:
-        return load_config(schema, args.config, args.overrides)
+        cfg = load_config(schema, args.config, args.overrides)
     except ConfigError as err:
         parser.exit(2, f"error: {err}\n")
+    if args.print_config:
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        parser.exit(0)
+    return cfg

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 
 from common.checkpoint import bare_model, save_weights
 from common.cli import InputError, one_line_errors
-from common.config import config_from_cli, config_to_dict, flatten, save_config
+from common.config import config_from_cli, config_to_dict, flatten, save_config, schema_defaults
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
 from common.durable import atomic_write_text
@@ -51,16 +51,17 @@ class ResumeError(InputError):
     """A run directory whose checkpoint cannot be continued with the given settings."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimConfig:
-    """The ``optim:`` settings both families share (each adds its learning rate and length)."""
+    """The ``optim:`` settings both families share (each adds its learning rate and length). The recipes give the
+    numbers; the defaults here are "off" or AdamW's own."""
 
-    batch_size: int = 256  # GLOBAL batch: all processes x grad_accum x per-process micro-batch
+    batch_size: int  # GLOBAL batch: all processes x grad_accum x per-process micro-batch
     weight_decay: float = 0.0  # not applied to biases, norms and the model's no_weight_decay() (timm's filter)
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    betas: Tuple[float, float] = (0.9, 0.999)  # torch.optim.AdamW's defaults
+    eps: float = 1e-8  # AdamW epsilon
     clip_grad: Optional[float] = None  # max global grad norm; null = no clipping
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step (the global batch stays optim.batch_size)
 
     def __post_init__(self):
         for name in ("batch_size", "grad_accum"):
@@ -74,8 +75,8 @@ class OptimConfig:
 class RunConfig:
     """The ``train:`` settings both families share: everything about a run that is not the recipe."""
 
-    output_dir: str = "runs/run"
-    seed: int = 0
+    output_dir: str = "runs/run"  # the run directory: run the same command again to continue it
+    seed: int = 0  # initial weights, data order, augmentation, every random draw
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: Union[bool, Literal["auto"]] = "auto"  # torch.compile the training model; auto: on CUDA only
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
@@ -88,7 +89,7 @@ class RunConfig:
     resume: Optional[str] = "auto"  # auto | null (fresh; refused where checkpoints exist) | path to a step_*.pt
     max_nonfinite: int = 20  # non-finite steps in a row before the run stops (checked on logging steps)
     stop_at_step: Optional[int] = None  # end this invocation at this step (a time-limited job slot); resume later
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard events under <output_dir>/tb
 
     def __post_init__(self):
         for name in ("log_every", "ckpt_every", "max_nonfinite"):
@@ -346,7 +347,7 @@ class Trainer:
         if resumed is None:
             return 0, None
         path, state = resumed
-        changes = changed_settings(state.get("config", {}), config_to_dict(self.cfg), config_to_dict(type(self.cfg)()))
+        changes = changed_settings(state.get("config", {}), config_to_dict(self.cfg), schema_defaults(type(self.cfg)))
         allowed = RESUMABLE_CHANGES + tuple(self.task.resumable_changes)
         fixed = {k: v for k, v in changes.items() if not k.startswith(allowed)}
         if fixed:

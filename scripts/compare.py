@@ -40,29 +40,18 @@ RUN_CONTROL_OVERRIDES = ("train.stop_at_step=", "train.resume=")  # how far a ru
 DIAGNOSTICS_FILE = "diagnostics.json"
 CLAIMS_DIR = ".claims"  # OUT/runs/.claims/<run>/.lock: which process runs which run
 
-# Presets: the DeiT ones start from configs/fmnist_deit.yaml (micro-DeiT, dim 64, patch 7), DiT from fmnist_dit.yaml.
-PRESETS = {
-    ("deit", True): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6], seeds=[0, 1, 2],
-                         train_images=12000, epochs=1, val_images=2000, diag_images=500, log_every=5),
-    ("deit", False): dict(topologies=["pre", "post", "siamese"], lrs=[1e-3, 1e-2], depths=[6, 12], seeds=[0, 1, 2],
-                          train_images=None, epochs=1, val_images=None, diag_images=2000, log_every=25),
-    ("dit", True): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4], seeds=[0],
-                        train_images=4000, steps=300, ema_decay=0.99, fid_samples=200, sample_steps=25, diag_images=64,
-                        log_every=10),
-    ("dit", False): dict(topologies=["pre", "post", "siamese"], lrs=[3e-4, 3e-3], depths=[4, 8], seeds=[0, 1, 2],
-                         train_images=None, steps=4000, ema_decay=0.999, fid_samples=2000, sample_steps=100, diag_images=256,
-                         log_every=50),
-}
-# Named, pre-registered studies (docs/results/<name>/): a task, fixed run settings and one or more grids whose
-# union is the set of runs. Their settings are fixed before any result is seen; do not tune them per topology.
-STUDIES = {
-    "deit_depth": dict(task="deit", lrs=[1e-3], train_images=None, epochs=3, val_images=None, diag_images=2000,
-                       log_every=25, grids=[dict(topologies=["pre", "siamese"], depths=[6, 12, 24], seeds=[0, 1, 2, 3, 4, 5]),
-                                            dict(topologies=["post"], depths=[24], seeds=[0, 1, 2])]),
-    "dit_long": dict(task="dit", lrs=[1e-3], train_images=None, steps=3000, ema_decay=0.995, fid_samples=1000,
-                     sample_steps=50, diag_images=256, log_every=50,
-                     grids=[dict(topologies=["pre", "siamese"], depths=[8], seeds=[0, 1, 2, 3, 4, 5])]),
-}
+PRESETS_FILE = ROOT / "configs" / "compare.yaml"  # the presets and the pre-registered studies, with their numbers
+
+
+def _read_presets() -> tuple:
+    import yaml
+
+    data = yaml.safe_load(PRESETS_FILE.read_text())
+    presets = {(name.split("_")[0], name.endswith("_quick")): values for name, values in data["presets"].items()}
+    return presets, data["studies"]
+
+
+PRESETS, STUDIES = _read_presets()
 METRIC = {"deit": ("top1", "Top-1 %", True), "dit": ("fid", "FID (fmnist-cnn)", False)}  # key, label, higher is better
 
 

@@ -42,8 +42,9 @@ def demo_deit(out_dir: Path, args) -> tuple:
     rows, curves = [], {}
     for topology in args.topologies:
         run_dir = fresh_dir(out_dir / f"deit_{topology}")
-        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false",
-                     f"optim.epochs={args.epochs}", f"train.threads={args.threads}"]
+        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false", f"train.threads={args.threads}"]
+        if args.epochs:
+            overrides.append(f"optim.epochs={args.epochs}")
         if args.train_images:
             overrides.append(f"data.max_train_samples={args.train_images}")
         cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_deit_{topology}.yaml", overrides)
@@ -84,9 +85,10 @@ def demo_dit(out_dir: Path, args) -> tuple:
     rows, curves = [], {}
     for topology in args.topologies:
         run_dir = fresh_dir(out_dir / f"dit_{topology}")
-        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false",
-                     f"optim.steps={args.dit_steps}", "train.sample_every=0", f"train.threads={args.threads}"]
+        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false", "train.sample_every=0",
+                     f"train.threads={args.threads}"] + ([f"optim.steps={args.dit_steps}"] if args.dit_steps else [])
         cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml", overrides)
+        fid_samples, sample_steps = args.fid_samples or cfg.train.fid_samples, args.sample_steps or cfg.train.fid_steps
         start = time.perf_counter()
         final = train(cfg)
         wall = time.perf_counter() - start
@@ -96,13 +98,12 @@ def demo_dit(out_dir: Path, args) -> tuple:
         checkpoint = run_dir / "ema.safetensors"
         sample.main(["--checkpoint", str(checkpoint), "--grid", str(out_dir / f"dit_{topology}_grid.png"),
                      "--labels", ",".join(str(c) for c in range(10) for _ in range(6)), "--nrow", "6",  # a row per class
-                     "--steps", str(args.sample_steps), "--quiet"])
-        scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=args.fid_samples,
-                                  steps=args.sample_steps)
+                     "--steps", str(sample_steps), "--quiet"])
+        scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=fid_samples, steps=sample_steps)
         rows.append({"family": "DiT", "model": cfg.model.name, "topology": topology, "metric": "FD fmnist",
                      "value": scores["metrics"]["fid"], "params": final["params"],
                      "images_per_s": statistics.median(speeds) if speeds else float("nan"), "wall_s": wall,
-                     "data": f"{args.fid_samples} samples vs Fashion-MNIST test, fmnist-cnn features"})
+                     "data": f"{fid_samples} samples vs Fashion-MNIST test, fmnist-cnn features"})
     return rows, curves
 
 
@@ -147,10 +148,14 @@ def main(argv=None) -> list:
     parser.add_argument("--topologies", nargs="+", default=["pre", "siamese"], choices=["pre", "siamese", "post"])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo")
     parser.add_argument("--train-images", type=int, default=None, help="DeiT: first N Fashion-MNIST training images (default: all 60k)")
-    parser.add_argument("--epochs", type=int, default=1, help="DeiT: passes over those images")
-    parser.add_argument("--dit-steps", type=int, default=1500, help="DiT: optimizer steps (batch 32)")
-    parser.add_argument("--sample-steps", type=int, default=50, help="DiT: respaced DDPM steps for grids and FD")
-    parser.add_argument("--fid-samples", type=int, default=500, help="DiT: samples for the Frechet distance")
+    parser.add_argument("--epochs", type=int, default=None, help="DeiT: passes over those images (default: the "
+                        "recipe's, configs/fmnist_deit.yaml)")
+    parser.add_argument("--dit-steps", type=int, default=None, help="DiT: optimizer steps of batch 32 (default: the "
+                        "recipe's, configs/fmnist_dit.yaml)")
+    parser.add_argument("--sample-steps", type=int, default=None, help="DiT: respaced DDPM steps for grids and FD "
+                        "(default: the recipe's train.fid_steps)")
+    parser.add_argument("--fid-samples", type=int, default=None, help="DiT: samples for the Frechet distance "
+                        "(default: the recipe's train.fid_samples)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 is fastest on a busy machine: idle OpenMP threads spin)")
     parser.add_argument("--classifier-epochs", type=int, default=1,

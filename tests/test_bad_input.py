@@ -222,7 +222,7 @@ def test_non_finite_numbers_are_refused_for_every_float_setting(override):
     from vision.train import TrainConfig
 
     with pytest.raises(ConfigError, match="must be a finite number"):
-        load_config(TrainConfig, ROOT / "configs/fmnist_deit.yaml", [override])
+        load_config(TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [override])
 
 
 def test_a_yaml_file_with_a_tab_is_one_line(tmp_path):
@@ -337,7 +337,7 @@ def test_the_dali_backend_without_dali_says_how_to_install_it(tmp_path):
         pytest.skip("DALI is installed here")
     except ImportError:
         pass
-    err = one_line(cli("-m", "vision.train", "--config", "configs/fmnist_deit.yaml", "data.backend=dali",
+    err = one_line(cli("-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml", "data.backend=dali",
                        f"train.output_dir={tmp_path / 'run'}"))
     assert "pip install -e '.[dali]'" in err and "data.backend=torch" in err
     assert not (tmp_path / "run").exists()
@@ -346,7 +346,7 @@ def test_the_dali_backend_without_dali_says_how_to_install_it(tmp_path):
 @pytest.mark.fashion_mnist
 def test_a_batch_two_processes_cannot_split_is_said_once(tmp_path):
     proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "vision.train", "--config", "configs/fmnist_deit.yaml",
+                           str(free_port()), "-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml",
                            "optim.batch_size=127", f"train.output_dir={tmp_path / 'run'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,5 +1,6 @@
 """YAML recipes -> validated dataclasses: inheritance, overrides, and the errors a user sees."""
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Literal, Optional, Tuple
 
 import pytest
@@ -86,3 +87,40 @@ def test_saved_config_round_trips(tmp_path):
     assert load_config(Schema, path) == cfg
     assert flatten({"optim": {"lr": 1}, "a": 2}) == {"optim.lr": 1, "a": 2}
     assert parse_overrides(["a.b=null"]) == {"a": {"b": None}}
+
+
+def test_recipe_numbers_have_no_code_default_and_a_missing_one_is_named():
+    from vision.train import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"model.name is required and not set .* or pass model.name=VALUE"):
+        load_config(TrainConfig, None, ["data.dataset=fashion_mnist"])
+    with pytest.raises(ConfigError, match=r"optim.base_lr is required and not set .*add `base_lr: VALUE` under `optim:`"):
+        load_config(TrainConfig, None, ["model.name=deit_tiny_patch16_224", "data.dataset=fashion_mnist",
+                                        "optim.batch_size=8", "optim.lr_base_batch=8", "optim.epochs=1"])
+    from common.config import schema_defaults
+
+    defaults = schema_defaults(TrainConfig)
+    assert "base_lr" not in defaults["optim"] and "name" not in defaults["model"]
+    assert defaults["optim"]["warmup_epochs"] == 0.0 and defaults["augment"]["mixup"] == 0.0  # off
+
+
+def test_help_lists_every_setting_with_default_and_meaning_and_print_config_resolves(capsys):
+    import yaml
+
+    from vision import train as deit_train
+
+    with pytest.raises(SystemExit) as exit_info:
+        deit_train.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "optim.base_lr (float, required)  peak lr at batch lr_base_batch" in text
+    assert "train.log_every (int, 50)  steps" in text
+    assert "data.num_workers (int or auto, auto)" in text and "augment.mixup_mode (batch|pair|elem, batch)" in text
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit) as exit_info:
+        deit_train.main(["--config", str(root / "configs/deit_tiny_siamese.yaml"), "--print-config",
+                         "data.path=/data/imagenet", "optim.epochs=3"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optim"]["epochs"] == 3 and printed["optim"]["batch_size"] == 1024  # recipe, base, override
+    assert printed["augment"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and printed["data"]["path"] == "/data/imagenet"

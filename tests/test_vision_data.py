@@ -118,8 +118,10 @@ def test_evaluation_counts_exactly_the_readable_images_and_names_the_others(tmp_
         damaged = evaluate(model, loader(), accelerator)
     assert damaged["images"] == without["images"] == intact["images"] - 1
     assert damaged["unreadable"] == 1 and damaged["unreadable_files"] == [str(broken)]
+    # Equal up to float32 round-off: the placeholder changes the batch shapes the matmuls see (about 1e-8 at one
+    # thread), never which images are counted (top1/top5 are counts).
     for key in ("top1", "top5", "loss"):
-        assert damaged[key] == pytest.approx(without[key], abs=1e-9), key
+        assert damaged[key] == pytest.approx(without[key], rel=1e-6, abs=1e-9), key
 
 
 def test_mixup_cutmix_targets_are_distributions():

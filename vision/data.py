@@ -47,20 +47,20 @@ from common.data import FashionMNIST, ImageFolderError, add_note, resolve_num_wo
 class DataConfig:
     """Where the images are and how evaluation sees them."""
 
-    dataset: Literal["imagefolder", "fashion_mnist"] = "imagefolder"
+    dataset: Literal["imagefolder", "fashion_mnist"] = "imagefolder"  # ImageNet layout, or Fashion-MNIST (CPU)
     path: Optional[str] = None  # imagefolder: root holding <train_split>/ and <val_split>/; fashion_mnist: optional
-    train_split: str = "train"
-    val_split: str = "val"
-    num_classes: int = 1000
-    input_size: int = 224
+    train_split: str = "train"  # sub-folder of data.path
+    val_split: str = "val"  # sub-folder of data.path
+    num_classes: int = 1000  # checked against the class folders
+    input_size: int = 224  # training crop and evaluation size, pixels
     crop_pct: float = 0.875  # eval: resize to input_size / crop_pct, then center crop input_size
-    interpolation: str = "bicubic"
-    mean: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_MEAN)
-    std: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_STD)
+    interpolation: str = "bicubic"  # resampling of resize and crop
+    mean: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_MEAN)  # normalisation, per RGB channel
+    std: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_STD)  # normalisation, per RGB channel
     num_workers: Union[int, Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
     backend: Literal["torch", "dali"] = "torch"  # dali: GPU decode and augmentation (vision.dali, pip extra [dali])
     max_train_samples: Optional[int] = None  # keep the first N training images (quick runs, tests)
-    max_val_samples: Optional[int] = None
+    max_val_samples: Optional[int] = None  # evaluate on the first N val images
 
     def __post_init__(self):
         if self.num_workers != "auto" and self.num_workers < 0:
@@ -79,17 +79,17 @@ class AugmentConfig:
     auto_augment: Optional[str] = None  # timm policy string, DeiT: rand-m9-mstd0.5-inc1
     color_jitter: float = 0.0  # ignored by timm when auto_augment is set
     scale: Tuple[float, float] = (0.08, 1.0)  # random-resized-crop area range
-    hflip: float = 0.5
+    hflip: float = 0.5  # horizontal flip probability
     re_prob: float = 0.0  # random erasing probability
-    re_mode: str = "pixel"
-    re_count: int = 1
+    re_mode: str = "pixel"  # erased box filled with per-pixel noise (timm: const, rand, pixel)
+    re_count: int = 1  # boxes per erased image
     repeated_aug: int = 1  # repeats of each image per epoch (DeiT: 3); 1 = off
     mixup: float = 0.0  # mixup alpha; 0 = off
     cutmix: float = 0.0  # cutmix alpha; 0 = off
-    mixup_prob: float = 1.0
-    mixup_switch_prob: float = 0.5
-    mixup_mode: Literal["batch", "pair", "elem"] = "batch"
-    label_smoothing: float = 0.0
+    mixup_prob: float = 1.0  # probability a batch is mixed
+    mixup_switch_prob: float = 0.5  # probability of cutmix instead of mixup when both are on
+    mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # one lambda per batch, pair of images, or image
+    label_smoothing: float = 0.0  # target smoothing (inside mixup's soft targets when mixing)
 
 
 # ----------------------------------------------------------------------------- datasets

@@ -40,9 +40,9 @@ from vision.data import DataConfig, build_dataset, build_eval_loader, build_tran
 class ModelConfig:
     """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
 
-    name: str = "deit_tiny_siamese_patch16_224"
+    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
     kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
-    drop_path: float = 0.0
+    drop_path: float = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
     pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
 
     def __post_init__(self):
@@ -162,8 +162,8 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
 
 @dataclass
 class EvalConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(dataset="fashion_mnist"))
+    model: ModelConfig
+    data: DataConfig
     checkpoint: Optional[str] = None  # .safetensors / .pt weights, or a training checkpoint step_*.pt
     weights: Literal["model", "ema"] = "model"  # which weights of a training checkpoint
     batch_size: int = 256
