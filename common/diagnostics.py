@@ -225,7 +225,8 @@ def _plot_stream_contribution(ax, results: Mapping[str, dict]) -> None:
 
 def _plot_grad_norm(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
-        ax.plot(r["steps"], [v if math.isfinite(v) else float("nan") for v in r["grad_norm"]], label=label)
+        ax.plot(r["steps"], [v if math.isfinite(v) else float("nan") for v in r["grad_norm"]], label=label,
+                marker="o" if len(r["steps"]) < 3 else None, ms=4)  # a run with one logged point is a dot
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("global grad norm (window mean)")
     ax.set_yscale("log")

@@ -1,10 +1,12 @@
-"""The paper's diagnostics (common/diagnostics.py) of finished DeiT runs, written as JSON + PNG per diagnostic.
+"""The paper's diagnostics (common/diagnostics.py) of finished DeiT and DiT runs, written as JSON + PNG per diagnostic.
 
     python -m scripts.diagnose --run runs/fmnist_deit_pre runs/fmnist_deit_siamese --out runs/diagnostics --images 1000
+    python -m scripts.diagnose --run runs/fmnist_dit_pre runs/fmnist_dit_siamese --out runs/dit_diagnostics --images 256
 
-Each run directory is a ``vision.train`` output: the model and data come from its ``config.yaml``, the weights from
-``model.safetensors`` (or ``--weights ema.safetensors``); the held-out loss is :func:`vision.evaluate.evaluate` on the
-first ``--images`` validation images.
+A ``vision.train`` run: the model and data come from its ``config.yaml``, the weights from ``model.safetensors`` (or
+``--weights ema.safetensors``); the held-out loss is :func:`vision.evaluate.evaluate` on the first ``--images``
+validation images. A ``diffusion.train`` run on Fashion-MNIST pixels: its ``ema.safetensors``; the held-out loss is
+the diffusion loss at fixed ``t`` and noise on the first ``--images`` test images.
 """
 from __future__ import annotations
 
@@ -58,11 +60,55 @@ def diagnose_deit_run(run_dir: PathLike, max_images: Optional[int] = 1000, batch
     return out
 
 
+def diagnose_dit_run(run_dir: PathLike, max_images: Optional[int] = 256) -> Dict[str, dict]:
+    """Stream norms, layer removal (diffusion loss at fixed t and noise on test images) and stream contribution
+    of a finished pixel-space ``diffusion.train`` run's EMA DiT, plus its logged gradient norms."""
+    import torch
+
+    from diffusion.data import PixelImages
+    from diffusion.gaussian_diffusion import GaussianDiffusion
+    from diffusion.sample import load_model
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "ema.safetensors").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a finished diffusion.train run (needs ema.safetensors)")
+    model, spec, _ = load_model(run_dir / "ema.safetensors")
+    model.eval()
+    test = PixelImages("test", spec.input_size, limit=max_images, hflip=False)
+    x0 = torch.stack([test[i][0] for i in range(len(test))])
+    labels = test.labels.clone()
+    gen = torch.Generator().manual_seed(0)
+    diffusion = GaussianDiffusion(learn_sigma=spec.learn_sigma)
+    t = torch.randint(0, diffusion.num_train_timesteps, (len(x0),), generator=gen)
+    noise = torch.randn(x0.shape, generator=gen)
+
+    def loss_fn(m):
+        return float(diffusion.training_losses(m, x0, t, noise, model_kwargs={"y": labels})["loss"].mean())
+
+    x_t = diffusion.q_sample(x0, t, noise)
+    out = {"hidden_state_norms": hidden_state_norms(model, x_t, diffusion.model_timesteps(t), labels),
+           "layer_removal": layer_removal(model, loss_fn), "grad_norm": grad_norm_trace(run_dir)}
+    try:
+        out["stream_contribution"] = stream_contribution(model)
+    except ValueError:
+        pass
+    return out
+
+
+def is_dit_run(run_dir: PathLike) -> bool:
+    """A ``diffusion.train`` run: its config has a ``diffusion:`` section."""
+    import yaml
+
+    config = Path(run_dir) / "config.yaml"
+    return config.is_file() and "diffusion" in (yaml.safe_load(config.read_text()) or {})
+
+
 def main(argv=None) -> Dict[str, dict]:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.diagnose", description=__doc__.split("\n\n")[0],
         epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, nargs="+", help="vision.train run directories (labels = their names)")
+    parser.add_argument("--run", required=True, nargs="+", help="vision.train or diffusion.train run directories "
+                        "(labels = their names)")
     parser.add_argument("--out", required=True, help="directory for <diagnostic>.json and <diagnostic>.png")
     parser.add_argument("--images", type=int, default=1000, help="held-out images used (default 1000; 0 = all)")
     parser.add_argument("--weights", default="model.safetensors", help="weights file inside each run (or ema.safetensors)")
@@ -70,7 +116,8 @@ def main(argv=None) -> Dict[str, dict]:
     per_kind: Dict[str, dict] = {}
     for run in args.run:
         try:
-            found = diagnose_deit_run(run, args.images or None, weights=args.weights)
+            found = (diagnose_dit_run(run, args.images or None) if is_dit_run(run) else
+                     diagnose_deit_run(run, args.images or None, weights=args.weights))
         except FileNotFoundError as err:
             parser.exit(2, f"error: {err}\n")
         for kind, result in found.items():

@@ -45,9 +45,9 @@ def test_report_of_two_finished_runs(finished):
     for topo, r in results.items():
         final = json.loads((out / "runs" / r["name"] / "final_metrics.json").read_text())
         assert r["top1"] == final["val/top1"] and r["steps"] == 8 and not r["divergence"]["diverged"]
-        assert f"| 2 | 0.001 | {topo} | {r['top1']:.2f} ± 0.00 | 1/1 | 0 |" in text
+        assert f"| 2 | 0.001 | {topo} | {r['top1']:.2f} (1 seed) | 1/1 | 0 |" in text
     diff = results["siamese"]["top1"] - results["pre"]["top1"]
-    assert f"- depth 2, lr 0.001: {diff:.2f} ± 0.00 over 1 seed(s)" in text
+    assert f"- depth 2, lr 0.001: {diff:.2f} (1 seed) over 1 seed(s)" in text
     assert "## Notes\n\nHand-written reading of the numbers." in text
     assert "None (no non-finite loss" in text and "larger margin when deeper**: untested (one depth)" in text
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -127,9 +127,13 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     run = tmp_path / "c" / "runs" / "siamese_d2_lr0.0003_s0"
     result = json.loads((run / "result.json").read_text())
     assert result["fid"] == json.loads((run / "fid_samples" / "fid.json").read_text())["metrics"]["fid"] > 0
-    assert f"| 2 | 0.0003 | siamese | {result['fid']:.2f} ± 0.00 | 1/1 | 0 |" in report.read_text()
+    assert f"| 2 | 0.0003 | siamese | {result['fid']:.2f} (1 seed) | 1/1 | 0 |" in report.read_text()
     diag = json.loads((run / "diagnostics.json").read_text())
     assert set(diag["hidden_state_norms"]["norms"]) == {"x", "y"} and len(diag["layer_removal"]["loss_increase"]) == 2
+    from scripts.diagnose import main as diagnostics_main  # the command on the same DiT run gives the same numbers
+
+    found = diagnostics_main(["--run", str(run), "--out", str(tmp_path / "d"), "--images", "4"])
+    assert found["layer_removal"][run.name] == diag["layer_removal"]
 
 
 @pytest.mark.fashion_mnist
@@ -186,3 +190,26 @@ def test_a_run_claimed_by_another_process_is_skipped(tmp_path):
         claim.release()
     assert "0 finished runs, 1 unfinished: pre_d2_lr0.001_s0" in report
     assert not (tmp_path / "runs" / "pre_d2_lr0.001_s0").exists()
+
+
+def test_a_report_of_one_point_curves_and_equal_scores_is_readable(tmp_path):
+    """One logged point per run (the one-minute checks) must still draw; a tie to the last digit is explained."""
+    import numpy as np
+    from PIL import Image
+
+    from scripts.compare_report import mean_curve, write_report
+
+    def result(topology, seed, curve, fid=812.5):
+        return {"topology": topology, "depth": 2, "lr": 3e-4, "seed": seed, "name": f"{topology}_d2_lr0.0003_s{seed}",
+                "fid": fid, "steps": 4, "divergence": {"diverged": False, "step": None, "reason": ""},
+                "loss_curve": curve, "train_wall_s": 1.0}
+
+    results = [result("pre", 0, [(4, 0.9)]), result("siamese", 0, [(4, 0.8)])]
+    report = write_report(results, tmp_path / "runs", tmp_path, "dit").read_text()
+    assert "every topology has the same FID (fmnist-cnn) (812.5000), exactly" in report and "zero-initialised" in report
+    assert "812.50 (1 seed)" in report and "± 0.00" not in report
+    pixels = np.asarray(Image.open(tmp_path / "loss_curves.png").convert("RGB")).reshape(-1, 3).astype(int)
+    blue = ((abs(pixels - [31, 119, 180]).sum(1)) < 60).sum()  # tab:blue, the Pre-Norm dot (legend swatch excluded)
+    green = ((abs(pixels - [44, 160, 44]).sum(1)) < 60).sum()
+    assert blue > 40 and green > 40, (blue, green)
+    assert mean_curve([[(1, 2.0), (2, 1.0)], [(1, 4.0), (2, float("nan"))]]) == [(1, 3.0), (2, 1.0)]

@@ -139,3 +139,13 @@ def test_write_diagnostic_writes_json_and_png(tmp_path):
         assert json.loads((tmp_path / f"{kind}.json").read_text()).keys() == r.keys()
     with pytest.raises(ValueError, match="unknown diagnostic"):
         write_diagnostic("nope", {}, tmp_path)
+
+
+def test_a_gradient_norm_of_one_logged_point_is_drawn(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    write_diagnostic("grad_norm", {"pre": {"steps": [4], "grad_norm": [0.7], "loss": [1.0]}}, tmp_path)
+    pixels = np.asarray(Image.open(tmp_path / "grad_norm.png").convert("RGB")).reshape(-1, 3).astype(int)
+    coloured = (pixels.max(1) - pixels.min(1) > 60).sum()  # anything not grey: the dot and the legend swatch
+    assert coloured > 60, coloured
