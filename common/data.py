@@ -337,8 +337,46 @@ def resolve_num_workers(setting: Union[int, str]) -> int:
     return max(0, cpus // max(1, local) - 1)
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def _ignore_signals(names, worker_id: int) -> None:
+    import signal
+
+    for name in names:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def _kill_daemonic_children() -> None:
+    """At exit, before multiprocessing's own handler terminates (SIGTERM) and joins its daemonic children, which
+    would wait for ever on workers that ignore SIGTERM: kill them."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+def ignore_in_workers(names=STOP_SIGNALS) -> Callable[[int], None]:
+    """A ``worker_init_fn`` that makes DataLoader workers ignore the stop signals. A scheduler signals the whole
+    process group; the main process stops at its next step boundary, and must still have its workers for that step
+    (by default torch's workers die on SIGTERM, and the main process with them). They end when their loader shuts
+    them down, when their parent dies, or killed at the parent's exit."""
+    import atexit
+    import functools
+
+    global _KILL_AT_EXIT
+    if not _KILL_AT_EXIT:
+        atexit.register(_kill_daemonic_children)  # runs before multiprocessing's (registered at its import)
+        _KILL_AT_EXIT = True
+    return functools.partial(_ignore_signals, tuple(names))
+
+
+_KILL_AT_EXIT = False
+
+
 def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: Union[int, str],
-                       persistent_workers: bool = True) -> DataLoader:
+                       persistent_workers: bool = True, ignore_signals=STOP_SIGNALS) -> DataLoader:
     """Per-process training loader over a :class:`ResumableSampler`, items seeded per sample.
 
     The loader's own generator keeps it off the global torch RNG, so training randomness depends only on the
@@ -350,7 +388,7 @@ def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: 
     workers = dict(persistent_workers=persistent_workers) if num_workers > 0 else {}
     return DataLoader(SeededDataset(dataset), batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), generator=torch.Generator(),
-                      **workers)
+                      worker_init_fn=ignore_in_workers(ignore_signals), **workers)
 
 
 class DevicePrefetcher:
@@ -374,6 +412,12 @@ class DevicePrefetcher:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def close(self) -> None:
+        """Stop the loader's persistent workers now (they ignore stop signals, so they must be told)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
     def _prepare(self, batch):
         batch = _to_device(batch, self.device)

@@ -4,7 +4,8 @@ Works the same under ``python -m``, ``accelerate launch`` (GPUs, nodes) and ``to
 accelerate reads the launcher's environment.
 
     accelerator = build_accelerator(precision="auto", run_dir="runs/x")   # bf16 on CUDA, fp32 on CPU
-    seed_everything(cfg.seed, accelerator.process_index)                  # distinct, reproducible per rank
+    seed_everything(cfg.seed)                                             # the same initial weights on every rank
+    seed_everything(rank_seed(cfg.seed, accelerator.process_index))       # then each rank's own streams
     states = gather_objects(accelerator, capture_rng_state())             # list, one entry per rank
 """
 from __future__ import annotations
@@ -29,27 +30,62 @@ def resolve_precision(precision: str) -> str:
 
 
 def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.PathLike]] = None,
-                      tensorboard: bool = True, cpu: bool = False):
+                      tensorboard: bool = True, cpu: bool = False, timeout_minutes: Optional[float] = None,
+                      static_graph: bool = False):
     """An :class:`accelerate.Accelerator` with our defaults.
 
     ``precision``: ``auto`` | ``fp32`` | ``bf16`` (autocast; weights and optimizer stay fp32).
     ``tensorboard``: log through accelerate's TensorBoard tracker into ``run_dir/tb``.
+    ``timeout_minutes``: how long a collective may wait (a dead or stuck rank) before the process group fails.
+    DDP keeps gradients as views of its all-reduce buckets (no copy, less memory); ``static_graph`` is DDP's.
     TF32 matmuls are enabled on CUDA (as DiT and timm do by default for fp32 training).
     """
+    from datetime import timedelta
+
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
 
     mixed = {"fp32": "no", "bf16": "bf16"}[resolve_precision(precision)]
     use_tb = tensorboard and run_dir is not None
     project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)) if run_dir else None
+    handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True, static_graph=static_graph)]
+    if timeout_minutes is not None:
+        handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes)))
     # accelerate only joins a CPU process group (gloo, e.g. under torchrun) when told cpu=True.
     cpu = cpu or not torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision=mixed, cpu=cpu, log_with="tensorboard" if use_tb else None,
-                              project_config=project)
+                              project_config=project, kwargs_handlers=handlers)
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return accelerator
+
+
+SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")  # one process, or DDP over GPUs or CPU processes
+
+
+def check_engine(accelerator, compile_model: bool) -> None:
+    """Refuse what the trainer does not support, in one line, before any work: FSDP, DeepSpeed and Megatron (its
+    EMA, checkpoints and exact resume are written for whole replicas), and accelerate's dynamo plugin together
+    with ``train.compile`` (the model would be compiled twice)."""
+    from common.cli import InputError
+
+    kind = accelerator.distributed_type.name if hasattr(accelerator.distributed_type, "name") else str(
+        accelerator.distributed_type)
+    if kind not in SUPPORTED_DISTRIBUTED:
+        raise InputError(f"accelerate is configured for {kind}, which this trainer does not support: it trains whole "
+                         "replicas with DDP (EMA, checkpoints and exact resume assume that). Run `accelerate config` "
+                         "and choose multi-GPU (DDP), or launch with torchrun / accelerate launch --multi_gpu")
+    dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    if compile_model and dynamo is not None and getattr(dynamo, "name", str(dynamo)).upper() != "NO":
+        raise InputError(f"accelerate's dynamo_backend ({getattr(dynamo, 'name', dynamo)}) and train.compile would "
+                         "both compile the model: set train.compile=false, or dynamo_backend: no in the accelerate config")
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of process ``rank``'s own random streams (drop path, mixup): independent across ranks and runs, and
+    apart from ``seed`` itself, which every rank uses for the initial weights."""
+    return int(np.random.SeedSequence([int(seed), 1 + int(rank)]).generate_state(1)[0])
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:

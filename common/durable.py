@@ -6,7 +6,8 @@ never a torn or empty file.
     atomic_savez("out/chunk_000003.npz", images=images)
     atomic_write_text("out/settings.json", json.dumps(settings))
 
-The new content goes to ``<name>.tmp`` next to the target, is flushed to disk (``fsync``), renamed over the
+The new content goes to ``<name>.tmp`` next to the target, gets the permissions the user's umask gives a new file
+(teammates on a shared file system read what a run writes), is flushed to disk (``fsync``), renamed over the
 target (``os.replace``, atomic on POSIX), and the directory is flushed so the rename itself survives a power
 loss. A failure removes the temporary file and leaves the target untouched.
 """
@@ -54,6 +55,21 @@ def raise_disk_failure(err: BaseException, path: PathLike, kept: str) -> None:
                              f"{Path(path).parent} and run the same command again") from None
 
 
+def _umask() -> int:
+    """The process's umask: from /proc on Linux (no change to it, so no race with other threads), else by setting it
+    and setting it straight back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def fsync_file(path: PathLike) -> None:
     """Flush a written file's data to disk (it may have been written by a library that closed it)."""
     fd = os.open(path, os.O_RDONLY)
@@ -92,6 +108,7 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
     tmp = temporary_path(path)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # writers that create private temporary files (safetensors: 0600)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException as err:

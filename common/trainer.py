@@ -26,7 +26,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -37,10 +37,12 @@ from common.checkpoint import bare_model, save_weights
 from common.cli import InputError, one_line_errors
 from common.config import config_from_cli, config_to_dict, flatten, save_config, schema_defaults
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
-from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
+from common.distributed import (build_accelerator, check_divisible, check_engine, gather_objects, rank_seed,
+                                seed_everything)
 from common.durable import atomic_write_text
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
+from common.preemption import EXIT_PAUSED, EXIT_PREEMPTED, StopRequests, signal_number
 from common.train_state import (CheckpointManager, RunLock, RunLockedError, capture_rng_state, preserved_rng,
                                 resolve_resume, restore_process_rng)
 
@@ -88,11 +90,16 @@ class RunConfig:
     keep_every: Optional[int] = None  # also keep checkpoints of steps divisible by this
     resume: Optional[str] = "auto"  # auto | null (fresh; refused where checkpoints exist) | path to a step_*.pt
     max_nonfinite: int = 20  # non-finite steps in a row before the run stops (checked on logging steps)
-    stop_at_step: Optional[int] = None  # end this invocation at this step (a time-limited job slot); resume later
+    stop_at_step: Optional[int] = None  # end this invocation at this step (exit 3); the same command continues
+    ckpt_every_minutes: Optional[float] = None  # also checkpoint when this long passed since the last one
+    stop_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # checkpoint this step, exit 4
+    stop_check_every: int = 1  # steps between the ranks' agreement on signals and time (a CPU all-reduce)
+    dist_timeout_minutes: float = 30.0  # a collective waiting this long (a dead or stuck rank) ends the run
+    ddp_static_graph: bool = False  # DDP static_graph=True (valid when every step uses every parameter the same way)
     tensorboard: bool = True  # TensorBoard events under <output_dir>/tb
 
     def __post_init__(self):
-        for name in ("log_every", "ckpt_every", "max_nonfinite"):
+        for name in ("log_every", "ckpt_every", "max_nonfinite", "stop_check_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
         if self.keep_last < 2:
@@ -104,6 +111,12 @@ class RunConfig:
                 raise ValueError(f"train.{name}={value} must be >= 1, or null")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"train.ema_decay={self.ema_decay} must lie in [0, 1), or null for no EMA")
+        if self.ckpt_every_minutes is not None and self.ckpt_every_minutes <= 0:
+            raise ValueError(f"train.ckpt_every_minutes={self.ckpt_every_minutes} must be positive, or null")
+        if self.dist_timeout_minutes <= 0:
+            raise ValueError(f"train.dist_timeout_minutes={self.dist_timeout_minutes} must be positive")
+        for name in self.stop_signals:
+            signal_number(name)
 
 
 # Settings a resumed run may change, by dotted prefix; they take effect from the resumed step on. Everything else
@@ -111,7 +124,8 @@ class RunConfig:
 RESUMABLE_CHANGES = (
     "train.output_dir", "train.resume", "train.stop_at_step", "train.log_every", "train.ckpt_every",
     "train.keep_last", "train.keep_every", "train.max_nonfinite", "train.tensorboard", "train.threads",
-    "train.precision", "train.compile", "train.deterministic", "train.ema_decay",
+    "train.precision", "train.compile", "train.deterministic", "train.ema_decay", "train.ckpt_every_minutes",
+    "train.stop_signals", "train.stop_check_every", "train.dist_timeout_minutes", "train.ddp_static_graph",
     "optim.weight_decay", "optim.betas", "optim.eps", "optim.clip_grad", "optim.grad_accum",
     "data.path", "data.num_workers",
 )
@@ -235,11 +249,14 @@ class LogWindow:
         return record, extra
 
 
-def task_feed(task: Task, sampler: ResumableSampler, batch_size: int, num_workers, device) -> Iterable:
-    """The task's own feed, or the standard one: per-sample seeded items from persistent workers, moved to the
-    device one batch ahead and finished there by the task's :attr:`Task.batch_transform`."""
+def task_feed(task: Task, sampler: ResumableSampler, batch_size: int, num_workers, device,
+              stop_signals: Sequence[str] = ("SIGTERM", "SIGUSR1")) -> Iterable:
+    """The task's own feed, or the standard one: per-sample seeded items from persistent workers (which ignore the
+    stop signals: the loop stops at a step boundary), moved to the device one batch ahead and finished there by
+    the task's :attr:`Task.batch_transform`."""
     return task.build_feed(sampler, batch_size, device) or DevicePrefetcher(
-        build_train_loader(task.train_set, sampler, batch_size, num_workers), device, task.batch_transform)
+        build_train_loader(task.train_set, sampler, batch_size, num_workers, ignore_signals=stop_signals), device,
+        task.batch_transform)
 
 
 def resolve_compile(setting, device: torch.device) -> bool:
@@ -279,12 +296,16 @@ class Trainer:
         self.run: RunConfig = cfg.train
         self.optim = cfg.optim
         self.run_dir = Path(self.run.output_dir)
+        self.hooks_pending = False
 
     # ------------------------------------------------------------------------------------------ set-up
     def fit(self) -> dict:
         run = self.run
-        accelerator = self.accelerator = build_accelerator(run.precision, self.run_dir, run.tensorboard)
+        accelerator = self.accelerator = build_accelerator(run.precision, self.run_dir, run.tensorboard,
+                                                           timeout_minutes=run.dist_timeout_minutes,
+                                                           static_graph=run.ddp_static_graph)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        check_engine(accelerator, resolve_compile(run.compile, accelerator.device))
         if run.threads:
             torch.set_num_threads(run.threads)
         if run.deterministic:
@@ -305,6 +326,8 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            if hasattr(self.feed, "close"):
+                self.feed.close()
             lock.release()
             accelerator.end_training()  # last: it destroys the process group
 
@@ -320,10 +343,12 @@ class Trainer:
             raise ValueError(f"an epoch has {len(self.sampler)} samples per process, fewer than one step needs "
                              f"({self.samples_per_step}); lower optim.batch_size or use more data")
         self.total_steps = task.total_steps(self.steps_per_epoch)
-        self.feed = task_feed(task, self.sampler, self.per_process_batch, self.cfg.data.num_workers, accelerator.device)
+        self.feed = task_feed(task, self.sampler, self.per_process_batch, self.cfg.data.num_workers, accelerator.device,
+                              run.stop_signals)
 
         seed_everything(run.seed)  # the same initial weights on every rank
         model = task.build_model().to(accelerator.device)
+        seed_everything(rank_seed(run.seed, self.rank))  # then each rank draws its own drop path, mixup, ...
         self.n_params = sum(p.numel() for p in model.parameters())
         self.optimizer = build_optimizer(model, optim, task.lr)
         self.scheduler = task.lr_scheduler(self.optimizer, self.steps_per_epoch, self.total_steps)
@@ -344,9 +369,15 @@ class Trainer:
                     "another train.output_dir (or delete that directory).")
             return 0, None
         resumed = resolve_resume(run.resume, self.ckpts)
+        seen = gather_objects(self.accelerator, None if resumed is None else (resumed[0].name, int(resumed[1]["step"])))
+        if len(set(seen)) > 1:
+            listed = ", ".join(f"rank {r}: {s[0] if s else 'none'}" for r, s in enumerate(seen))
+            raise ResumeError(f"the processes see different checkpoints in {self.ckpts.directory} ({listed}): the run "
+                              "directory must be on a file system every process shares (and sees the same way)")
         if resumed is None:
             return 0, None
         path, state = resumed
+        self.hooks_pending = bool(state.get("hooks_pending"))
         changes = changed_settings(state.get("config", {}), config_to_dict(self.cfg), schema_defaults(type(self.cfg)))
         allowed = RESUMABLE_CHANGES + tuple(self.task.resumable_changes)
         fixed = {k: v for k, v in changes.items() if not k.startswith(allowed)}
@@ -405,7 +436,11 @@ class Trainer:
         self.window = LogWindow(self.task.loss_parts, accelerator.device)
         self.last_record: dict = {}
         self.last_saved = step
+        self.stop = StopRequests(run.stop_signals, run.ckpt_every_minutes, run.stop_check_every,
+                                 group=self._cpu_group(), world=self.world, rank=self.rank).install()
         try:
+            if self.hooks_pending and 0 < step < self.total_steps:  # stopped by a signal before this step's hooks
+                self._after_step(last=False, epoch_end=step % self.steps_per_epoch == 0)
             if step < self.total_steps:
                 stopped = self._train()
                 if stopped is not None:
@@ -414,8 +449,16 @@ class Trainer:
                 self._after_step(last=True)
             return self._finish()
         finally:
+            self.stop.restore()
             self.bar.close()
             self.logger.close()
+
+    def _cpu_group(self):
+        """A gloo group for host-side agreement (stop signals) that never waits for a GPU; None with one process
+        or when the default group is gloo already."""
+        if self.world == 1 or torch.distributed.get_backend() == "gloo":
+            return None
+        return torch.distributed.new_group(backend="gloo")
 
     def _train(self) -> Optional[dict]:
         accelerator, run = self.accelerator, self.run
@@ -436,12 +479,18 @@ class Trainer:
                 if self.step % run.log_every == 0 or last:
                     self._log_window()
                 stop_now = run.stop_at_step is not None and self.step >= run.stop_at_step and not last
-                if self.step % run.ckpt_every == 0 or last or stop_now:
-                    self._save_checkpoint()
+                signalled, minutes_due = self.stop.agree(self.step)
+                signalled = signalled if not last else None  # the last step finishes the run as usual
+                if self.step % run.ckpt_every == 0 or last or stop_now or signalled or minutes_due:
+                    self._save_checkpoint(hooks_pending=bool(signalled))
+                if signalled:  # out now, within the scheduler's grace time; the next run does this step's hooks
+                    accelerator.print(f"{signalled} received: stopped at step {self.step} with a checkpoint (exit "
+                                      f"{EXIT_PREEMPTED}); run the same command to continue")
+                    return {"stopped_at": self.step, "signal": signalled}
                 self._after_step(last=last, epoch_end=self.step % self.steps_per_epoch == 0)
                 if stop_now:
-                    accelerator.print(f"stopped at step {self.step} (train.stop_at_step); run the same command with "
-                                      "train.stop_at_step unset (or later) to continue")
+                    accelerator.print(f"paused at step {self.step} (train.stop_at_step, exit {EXIT_PAUSED}); run the "
+                                      "same command with train.stop_at_step unset (or later) to continue")
                     return {"stopped_at": self.step}
                 if last:
                     break
@@ -512,8 +561,9 @@ class Trainer:
         good = [s for s in self.ckpts.steps() if s < first_bad - 1]
         return self.guard.error(in_row, total, self.step, good[-1] if good else None, moved)
 
-    def _save_checkpoint(self) -> None:
-        """A complete checkpoint (all ranks' RNG states), unless the last step was not finite."""
+    def _save_checkpoint(self, hooks_pending: bool = False) -> None:
+        """A complete checkpoint (all ranks' RNG states), unless the last step was not finite. ``hooks_pending``: the
+        task's hooks of this step will not run in this invocation (a stop signal), so the resumed one runs them."""
         in_row, _ = self.guard.read()
         if in_row:
             self.accelerator.print(f"step {self.step}: no checkpoint during a streak of non-finite steps; the newest "
@@ -528,12 +578,13 @@ class Trainer:
                 "sampler": {**self.sampler.state_dict(), "epoch": epoch,
                             "start": done * self.samples_per_step * self.world},
                 "rng": rng, "nonfinite": self.guard.state_dict(), "world_size": self.world,
-                "config": config_to_dict(self.cfg),
+                "config": config_to_dict(self.cfg), "hooks_pending": hooks_pending,
             }, self.step)
             if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint
                 save_weights(self.ema.module, self.run_dir / "ema.safetensors",
                              metadata=self.task.weights_metadata(self.step))
         self.last_saved = self.step
+        self.stop.checkpoint_written()
         self.accelerator.wait_for_everyone()
 
     def context(self, last: bool, epoch_end: bool) -> StepContext:
@@ -567,4 +618,7 @@ def run_cli(schema, train, argv, *, prog: str, description: str, examples: Seque
     """A trainer's command line: parse and validate the config, then run; bad input ends in one line."""
     cfg = config_from_cli(schema, argv, prog=prog, description=description, examples=examples)
     with one_line_errors():
-        return train(cfg)
+        result = train(cfg)
+    if "stopped_at" in result:  # paused or preempted: a job script tells these from "finished" (0) by the status
+        raise SystemExit(EXIT_PREEMPTED if "signal" in result else EXIT_PAUSED)
+    return result

@@ -1,12 +1,15 @@
-"""The slow fault suite: kill both trainers with SIGKILL at many random moments, resume, compare bit for bit.
+"""The slow fault suite: stop both trainers at many random moments, resume, compare bit for bit.
 
-    python -m scripts.fault_suite --trials 20            # per family; prints and writes k/N bit-identical
+    python -m scripts.fault_suite --trials 20                         # SIGKILL; per family, k/N bit-identical
+    python -m scripts.fault_suite --trials 10 --fault sigterm --nproc 1 2   # a scheduler's SIGTERM, 1 and 2 processes
 
-Each trial runs a tiny Fashion-MNIST training (DeiT, then DiT) in a subprocess and kills it either at a random
-wall-clock moment or at a random seam of tests/faults.py (inside a checkpoint write, right after one, inside a
-weights write, mid-step, before the final outputs); then it runs the same command again (possibly more than once,
-if a kill landed before the first checkpoint) and compares model and EMA weights with an uninterrupted run.
-The fast, fixed-point version of this is tests/test_faults.py.
+Each trial runs a tiny Fashion-MNIST training (DeiT, then DiT) in a subprocess (under ``torchrun`` for
+``--nproc 2``) and stops it: ``--fault sigkill`` kills it at a random wall-clock moment or at a random seam of
+tests/faults.py (inside a checkpoint write, right after one, inside a weights write, mid-step, before the final
+outputs); ``--fault sigterm`` sends SIGTERM at a random moment, as SLURM or Kubernetes do before a kill (to
+``torchrun`` with 2 processes, which passes it on), and expects the run to checkpoint and exit with status 4. Then it
+runs the same command again (more than once if a stop landed before the first checkpoint) and compares model and
+EMA weights with an uninterrupted run of the same process count. The fast, fixed-point version is tests/test_faults.py.
 """
 from __future__ import annotations
 
@@ -39,21 +42,26 @@ COMMON = ["data.num_workers=1", "train.tensorboard=true", "train.threads=1"]
 SEAMS = {"ckpt_write": 4, "ckpt_done": 4, "weights": 5, "step": 12, "final": 1}  # seam -> occurrences to draw from
 
 
-def command(family: str, out: Path, fault=None) -> list:
+def command(family: str, out: Path, fault=None, nproc: int = 1) -> list:
     module, recipe, overrides = RUNS[family]
     args = ["--config", str(ROOT / "configs" / recipe), *COMMON, *overrides, f"train.output_dir={out}"]
     prefix = ["-m", "tests.faults", fault[0], str(fault[1]), "--"] if fault else []
+    if nproc > 1:
+        from tests.rehearsal import free_port
+
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                str(free_port()), "-m", module, *args]
     return [sys.executable, *prefix, "-m", module, *args]
 
 
-def run(cmd, kill_after=None) -> int:
+def run(cmd, stop_after=None, stop_signal=signal.SIGKILL) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if kill_after is not None:
+    if stop_after is not None:
         try:
-            proc.wait(timeout=kill_after)
+            proc.wait(timeout=stop_after)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(stop_signal)
     return proc.wait()
 
 
@@ -68,10 +76,38 @@ def same_weights(a: Path, b: Path) -> bool:
     return True
 
 
+def trial(family: str, out: Path, fault: str, nproc: int, duration: float, rng: random.Random) -> dict:
+    """One stop at a random moment (or seam) and the reruns that finish the run."""
+    if fault == "sigterm":
+        how = {"sigterm_after_s": round(rng.uniform(0.3, duration), 2)}
+        code = run(command(family, out, nproc=nproc), stop_after=how["sigterm_after_s"], stop_signal=signal.SIGTERM)
+        how["stopped"] = (out / "final_metrics.json").is_file() is False
+        how["exit"] = code
+    elif nproc == 1 and rng.random() < 0.5:
+        seam = rng.choice(list(SEAMS))
+        how = {"seam": seam, "nth": rng.randint(1, SEAMS[seam])}
+        code = run(command(family, out, (seam, how["nth"])))
+        how["stopped"] = code == -signal.SIGKILL
+    else:
+        how = {"sigkill_after_s": round(rng.uniform(0.3, duration), 2)}
+        code = run(command(family, out, nproc=nproc), stop_after=how["sigkill_after_s"])
+        how["stopped"] = code == -signal.SIGKILL
+    reruns = 0
+    while not (out / "final_metrics.json").is_file() and reruns < 3:
+        reruns += 1
+        if run(command(family, out, nproc=nproc)) != 0:
+            break
+    return {**how, "reruns": reruns, "finished": (out / "final_metrics.json").is_file()}
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m scripts.fault_suite", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=20, help="kill-and-resume trials per family")
+    p = argparse.ArgumentParser(prog="python -m scripts.fault_suite", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=20, help="stop-and-resume trials per family and process count")
     p.add_argument("--families", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--fault", choices=("sigkill", "sigterm"), default="sigkill",
+                   help="sigkill: kill -9 at a random moment or seam; sigterm: a scheduler's stop signal")
+    p.add_argument("--nproc", nargs="+", type=int, default=[1], help="process counts (2: under torchrun, gloo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON results file (default: print only)")
     args = p.parse_args(argv)
@@ -80,34 +116,25 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for family in args.families:
-            reference = tmp / f"{family}_reference"
-            start = time.perf_counter()
-            assert run(command(family, reference)) == 0, f"the uninterrupted {family} run failed"
-            duration = time.perf_counter() - start
-            trials = []
-            for i in range(args.trials):
-                out = tmp / f"{family}_{i}"
-                if rng.random() < 0.5:
-                    seam = rng.choice(list(SEAMS))
-                    how = {"seam": seam, "nth": rng.randint(1, SEAMS[seam])}
-                    code = run(command(family, out, (seam, how["nth"])))
-                else:
-                    how = {"after_s": round(rng.uniform(0.3, duration), 2)}
-                    code = run(command(family, out), kill_after=how["after_s"])
-                reruns = 0
-                while not (out / "final_metrics.json").is_file() and reruns < 3:
-                    reruns += 1
-                    if run(command(family, out)) != 0:
-                        break
-                ok = (out / "final_metrics.json").is_file() and same_weights(reference, out)
-                trials.append({**how, "killed": code == -signal.SIGKILL, "reruns": reruns, "bit_identical": ok})
-                print(f"{family} trial {i + 1}/{args.trials}: {how} killed={code == -signal.SIGKILL} "
-                      f"bit-identical={ok}", flush=True)
-            k = sum(t["bit_identical"] for t in trials)
-            killed = sum(t["killed"] for t in trials)
-            results[family] = {"bit_identical": k, "trials": len(trials), "killed": killed, "details": trials}
-            print(f"{family}: {k}/{len(trials)} bit-identical after resume ({killed} trials were killed mid-run)",
-                  flush=True)
+            for nproc in args.nproc:
+                key = f"{family} {nproc}p {args.fault}"
+                reference = tmp / f"{family}_{nproc}_reference"
+                start = time.perf_counter()
+                assert run(command(family, reference, nproc=nproc)) == 0, f"the uninterrupted {key} run failed"
+                duration = time.perf_counter() - start
+                trials = []
+                for i in range(args.trials):
+                    out = tmp / f"{family}_{nproc}_{i}"
+                    t = trial(family, out, args.fault, nproc, duration, rng)
+                    t["bit_identical"] = t["finished"] and same_weights(reference, out)
+                    trials.append(t)
+                    print(f"{key} trial {i + 1}/{args.trials}: {t}", flush=True)
+                k = sum(t["bit_identical"] for t in trials)
+                stopped = sum(t["stopped"] for t in trials)
+                results[key] = {"bit_identical": k, "trials": len(trials), "stopped_mid_run": stopped,
+                                "exit_4": sum(t.get("exit") == 4 for t in trials), "details": trials}
+                print(f"{key}: {k}/{len(trials)} bit-identical after resume ({stopped} stopped mid-run"
+                      + (f", {results[key]['exit_4']} exited 4" if args.fault == "sigterm" else "") + ")", flush=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(results, indent=2))
     return results

@@ -40,7 +40,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_a
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 
-from common.data import FashionMNIST, ImageFolderError, add_note, resolve_num_workers, scan_image_folder
+from common.data import (FashionMNIST, ImageFolderError, add_note, ignore_in_workers, resolve_num_workers,
+                         scan_image_folder)
 
 
 @dataclass
@@ -513,4 +514,5 @@ def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
 def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: Union[int, str]) -> DataLoader:
     """Sequential evaluation loader (shard it with ``accelerator.prepare``)."""
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=resolve_num_workers(num_workers),
+                      worker_init_fn=ignore_in_workers(),
                       pin_memory=torch.cuda.is_available())

@@ -1,0 +1,258 @@
+"""Where users run: a scheduler's stop signal, per-rank randomness, a rank that dies, a file system the ranks do not
+share, the umask of a shared one, engines the trainer does not support, exit codes a job script reads.
+
+Tiny Fashion-MNIST runs in subprocesses, as a user launches them (``python -m``, ``torchrun``, or one process per
+rank started by hand with the environment a scheduler gives, as ``srun`` does).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.logging import read_metrics
+from common.preemption import EXIT_PAUSED, EXIT_PREEMPTED
+from tests.rehearsal import free_port
+
+pytestmark = pytest.mark.fashion_mnist
+ROOT = Path(__file__).resolve().parents[1]
+DEIT = ["--config", str(ROOT / "configs/fmnist_deit_siamese.yaml"),
+        "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
+        "data.num_workers=1", "train.tensorboard=false", "train.threads=1", "data.max_train_samples=192",
+        "data.max_val_samples=20", "optim.batch_size=16", "optim.epochs=2", "train.log_every=1", "train.ckpt_every=1000",
+        "model.drop_path=0.1", "augment.mixup=0.8", "augment.cutmix=1.0", "train.ema_decay=0.5"]
+DIT = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}",
+       "data.num_workers=1", "train.tensorboard=false", "train.threads=1", "data.max_samples=96", "optim.batch_size=8",
+       "optim.steps=24", "train.log_every=1", "train.ckpt_every=1000", "train.ema_decay=0.5", "train.sample_every=12",
+       "train.sample_count=2", "train.sample_steps=2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def launch(module, args, out, nproc=1, **popen):
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                                      str(free_port())]
+    return subprocess.Popen([sys.executable, *launcher, "-m", module, *args, f"train.output_dir={out}"], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def wait_for_step(out: Path, step: int, proc, timeout=240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").is_file() and any(r.get("step", 0) >= step and "train/loss" in r
+                                                     for r in read_metrics(out)):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} logged in {timeout} s")
+
+
+def finished(module, args, out, nproc=1):
+    proc = launch(module, args, out, nproc)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def same_weights(a: Path, b: Path) -> None:
+    for name in ("model.safetensors", "ema.safetensors"):
+        x, y = load_file(a / name), load_file(b / name)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    return {"deit_1": finished("vision.train", DEIT, root / "deit_1"),
+            "deit_2": finished("vision.train", DEIT, root / "deit_2", nproc=2),
+            "dit_1": finished("diffusion.train", DIT, root / "dit_1")}
+
+
+@pytest.mark.parametrize("family, nproc, at", [("deit", 1, 5), ("dit", 1, 7), ("deit", 2, 4)])
+def test_sigterm_checkpoints_exits_4_and_the_rerun_is_bit_identical(references, tmp_path, family, nproc, at):
+    module, args = ("vision.train", DEIT) if family == "deit" else ("diffusion.train", DIT)
+    proc = launch(module, args, tmp_path, nproc)
+    wait_for_step(tmp_path, at, proc)
+    proc.send_signal(signal.SIGTERM)  # to torchrun with 2 processes: it passes it to every worker (and their group)
+    out, err = proc.communicate(timeout=120)
+    if nproc == 1:
+        assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "SIGTERM received: stopped at step" in out + err and "Traceback" not in out.split("SIGTERM")[0]
+    from common.train_state import CheckpointManager
+
+    steps = CheckpointManager(tmp_path / "checkpoints").steps()
+    assert steps and steps[-1] >= at, steps  # the step it stopped at, not one from before
+    finished(module, args, tmp_path, nproc)  # the same command again
+    same_weights(references[f"{family}_{nproc}"], tmp_path)
+    logged = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert logged == sorted(set(logged))
+
+
+def test_ranks_draw_their_own_randomness(references):
+    """Two ranks with drop path and mixup: different random streams (the checkpoint holds each rank's state), the
+    same initial weights, and the run's data randomness still per sample."""
+    from common.train_state import CheckpointManager, load_training_checkpoint
+
+    manager = CheckpointManager(references["deit_2"] / "checkpoints")
+    rng = load_training_checkpoint(manager.path_for(manager.steps()[-1]))["rng"]
+    assert len(rng) == 2
+    assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
+    assert not torch.equal(rng[0]["numpy"]["keys"], rng[1]["numpy"]["keys"])
+
+
+def test_stop_at_step_exits_3_and_a_finished_run_0(tmp_path):
+    proc = launch("vision.train", DEIT + ["train.stop_at_step=3"], tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PAUSED and "paused at step 3" in out + err, err[-2000:]
+    proc = launch("vision.train", DEIT + ["optim.epochs=1", "data.max_train_samples=64"], tmp_path / "done")
+    assert proc.wait(timeout=300) == 0
+
+
+def test_time_based_checkpoints(tmp_path):
+    from common.train_state import CheckpointManager
+    from vision import train as deit_train
+
+    from common.config import load_config
+
+    cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml",
+                      [*DEIT[2:], "data.num_workers=0", "train.ckpt_every_minutes=0.00001", "train.keep_last=100",
+                       f"train.output_dir={tmp_path}"])
+    deit_train.train(cfg)
+    assert CheckpointManager(tmp_path / "checkpoints").steps() == list(range(1, 25))  # every step: minutes elapsed
+
+
+def test_a_dead_rank_ends_the_others_in_bounded_time(tmp_path):
+    """Ranks started by hand (as srun starts them, no torchrun to end the rest): kill -9 one; the other must not wait
+    in a collective for ever."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "optim.epochs=20",
+                                       "train.dist_timeout_minutes=1", f"train.output_dir={tmp_path}"], cwd=ROOT,
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    wait_for_step(tmp_path, 3, procs[0])
+    procs[1].kill()
+    start = time.monotonic()
+    _, err = procs[0].communicate(timeout=180)
+    assert procs[0].returncode not in (0, None) and time.monotonic() - start < 120, err[-2000:]
+
+
+def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
+    """Node-local disks: each rank's relative run directory is another folder, one with a checkpoint, one empty."""
+    for d in ("node0", "node1"):
+        (tmp_path / d).mkdir()
+    first = subprocess.run([sys.executable, "-m", "vision.train", *DEIT, "train.stop_at_step=2", "train.output_dir=run"],
+                           cwd=tmp_path / "node0", env=ENV, capture_output=True, text=True, timeout=300)
+    assert first.returncode == EXIT_PAUSED, first.stderr[-2000:]
+    port, procs = str(free_port()), []
+    for rank in (0, 1):
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "train.output_dir=run"],
+                                      cwd=tmp_path / f"node{rank}", env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errors = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, err[-2000:]
+        errors += [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 2 and "the processes see different checkpoints" in errors[0]
+    assert "rank 0: step_000000002.pt, rank 1: none" in errors[0] and "Traceback" not in "".join(errors)
+
+
+def test_outputs_follow_the_umask(tmp_path):
+    for umask, mode in ((0o022, 0o644), (0o002, 0o664)):
+        out = tmp_path / oct(umask)
+        proc = subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "optim.epochs=1", "data.max_train_samples=32",
+                                 "train.ckpt_every=1", f"train.output_dir={out}"], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda m=umask: os.umask(m))
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+        for path in [out / "model.safetensors", out / "ema.safetensors", out / "config.yaml", out / "metrics.jsonl",
+                     out / "final_metrics.json", *sorted((out / "checkpoints").iterdir())]:
+            assert path.stat().st_mode & 0o777 == mode, (path, oct(path.stat().st_mode & 0o777), oct(mode))
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"])
+def test_engines_the_trainer_does_not_support_are_refused_by_name(kind):
+    """FSDP and DeepSpeed need GPUs to be configured at all; the refusal is checked on what accelerate reports."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from common.cli import InputError
+    from common.distributed import check_engine
+
+    configured = SimpleNamespace(distributed_type=DistributedType[kind], state=SimpleNamespace(dynamo_plugin=None))
+    with pytest.raises(InputError, match=rf"configured for {kind}, which this trainer does not support.*multi-GPU"):
+        check_engine(configured, compile_model=False)
+
+
+def test_accelerates_dynamo_backend_and_train_compile_are_refused_together(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "vision.train", *DEIT, "train.compile=true", f"train.output_dir={tmp_path}"],
+                          cwd=ROOT, env={**ENV, "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, capture_output=True, text=True,
+                          timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "would both compile" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+SRUN = r"""#!/usr/bin/env bash
+# srun as far as a CPU machine allows: SLURM_NTASKS tasks of the command on this host, each with its SLURM ids;
+# a signal to srun goes to every task (as --signal does); the status is the highest of the tasks'.
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i "$@" > "$LOGS/task$i.log" 2>&1 &
+  pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+status=0
+for pid in "${pids[@]}"; do
+  while true; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done
+  (( rc > status )) && status=$rc
+done
+exit $status
+"""
+SCONTROL = """#!/usr/bin/env bash
+case "$1" in
+  show) echo 127.0.0.1 ;;
+  requeue) echo "$2" >> "$LOGS/requeued" ;;
+esac
+"""
+
+
+def test_the_slurm_script_checkpoints_on_sigterm_and_requeues_until_done(references, tmp_path):
+    """scripts/cluster/train.sbatch run as SLURM would run it (srun and scontrol stand-ins, 2 tasks on this CPU): a
+    SIGTERM before the time limit leaves a checkpoint and a requeue; the requeued job finishes; the weights equal an
+    uninterrupted 2-process run's."""
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir(), logs.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "run"
+    env = {**ENV, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "LOGS": str(logs),
+           "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_SUBMIT_DIR": str(ROOT), "MODULE": "vision.train", "MASTER_PORT": str(free_port())}
+    job = [str(ROOT / "scripts/cluster/train.sbatch"), *DEIT, f"train.output_dir={out}"]
+    first = subprocess.Popen(["bash", *job], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    wait_for_step(out, 4, first)
+    srun = subprocess.run(["pgrep", "-f", "-s", str(first.pid), f"{bin_dir}/srun"], capture_output=True, text=True)
+    os.kill(int(srun.stdout.split()[0]), signal.SIGTERM)  # what --signal=TERM@180 does before the time limit
+    text, _ = first.communicate(timeout=180)
+    assert first.returncode == 0 and "stopped with a checkpoint (exit 4): requeued" in text, text[-3000:]
+    assert (logs / "requeued").read_text().split() == ["4242"]
+    assert not (out / "final_metrics.json").exists()
+    env["MASTER_PORT"] = str(free_port())
+    second = subprocess.run(["bash", *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "finished" in second.stdout, second.stdout[-3000:]
+    same_weights(references["deit_2"], out)
