@@ -256,3 +256,30 @@ def test_the_slurm_script_checkpoints_on_sigterm_and_requeues_until_done(referen
     second = subprocess.run(["bash", *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "finished" in second.stdout, second.stdout[-3000:]
     same_weights(references["deit_2"], out)
+
+
+PROBE = """
+import json, sys
+from common.config import load_config
+from common.distributed import build_accelerator
+from vision.task import DeiTTask, TrainConfig
+cfg = load_config(TrainConfig, sys.argv[1], sys.argv[2:])
+accelerator = build_accelerator("fp32", None, tensorboard=False)
+task = DeiTTask(cfg)
+task.setup(accelerator)
+print(json.dumps({"rank": accelerator.process_index, "images": sum(len(t) for _, t in task.val_loader)}))
+"""
+
+
+def test_evaluation_shards_read_every_image_once_without_padding(tmp_path):
+    """16 val images, eval batch 256, 2 processes: 8 images read per process (accelerate's even batches filled each
+    process's batch up to 256, which made a small evaluation 30x slower)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(probe), str(ROOT / "configs/fmnist_deit_siamese.yaml"),
+                           "data.max_val_samples=16", "data.max_train_samples=32", "train.eval_batch_size=256",
+                           "data.num_workers=0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = sorted(json.loads(line)["images"] for line in proc.stdout.splitlines() if line.startswith("{"))
+    assert counts == [8, 8]

@@ -511,8 +511,12 @@ def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
 
 # ----------------------------------------------------------------------------- loaders
 
-def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: Union[int, str]) -> DataLoader:
-    """Sequential evaluation loader (shard it with ``accelerator.prepare``)."""
+def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: Union[int, str], rank: int = 0,
+                      world: int = 1) -> DataLoader:
+    """Sequential evaluation loader over process ``rank``'s shard (images ``rank, rank + world, ...``): every image
+    is evaluated once, with no padding (accelerate's even batches would fill a small set up to a batch per process)."""
+    if world > 1:
+        dataset = torch.utils.data.Subset(dataset, range(rank, len(dataset), world))
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=resolve_num_workers(num_workers),
                       worker_init_fn=ignore_in_workers(),
                       pin_memory=torch.cuda.is_available())

@@ -118,16 +118,16 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
 def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
     """Top-1, Top-5 (percent), mean cross-entropy and the count of the images they were computed on.
 
-    ``loader`` should come from ``accelerator.prepare`` so that each process sees a shard; the per-image results
-    are gathered with ``gather_for_metrics``, which drops the padding duplicates. Images the dataset could not
-    read (target ``-1 - index``, see :class:`vision.data.ReadableImageFolder`) are left out of every metric and
-    reported as ``unreadable`` with their files.
+    ``loader`` holds this process's shard of the evaluation set (:func:`vision.data.build_eval_loader` with the
+    process's rank: every image on exactly one process, no padding); the sums are all-reduced once at the end.
+    Images the dataset could not read (target ``-1 - index``, see :class:`vision.data.ReadableImageFolder`) are left
+    out of every metric and reported as ``unreadable`` with their files.
     """
     from common.distributed import gather_objects
 
     was_training = model.training
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, top-1, top-5, images
     unreadable = []  # per batch, on the device: the file index of each unreadable image, -1 for the others
     for images, targets in loader:
         images, targets = images.to(accelerator.device), targets.to(accelerator.device)
@@ -144,9 +144,10 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
             (top == labels[:, None]).any(dim=1).float(),
             torch.ones_like(labels, dtype=torch.float32),
         ], dim=1) * readable[:, None]
-        per_image = accelerator.gather_for_metrics(per_image)
         totals += per_image.sum(0).double()
     model.train(was_training)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
     mine = torch.cat(unreadable).unique().tolist() if unreadable else []
     bad = sorted({i for rank in gather_objects(accelerator, mine) for i in rank if i >= 0})
@@ -155,7 +156,8 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
     result = {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n),
               "unreadable": len(bad)}
     if bad:
-        samples = getattr(getattr(loader, "dataset", None), "samples", None)
+        dataset = getattr(loader, "dataset", None)
+        samples = getattr(getattr(dataset, "dataset", dataset), "samples", None)  # through the shard's Subset
         result["unreadable_files"] = [samples[i][0] if samples else i for i in bad]
     return result
 
@@ -189,8 +191,9 @@ def run(cfg: EvalConfig) -> dict:
         # weights=ema picks the "ema" entry of a training checkpoint (for a run's EMA file use ema.safetensors)
         load_weights(model, cfg.checkpoint, key="ema" if cfg.weights == "ema" else None)
     dataset = build_dataset(cfg.data, "val", transform=build_transform(cfg.data, training=False))
-    loader = build_eval_loader(dataset, cfg.batch_size, cfg.data.num_workers)
-    model, loader = accelerator.prepare(model, loader)
+    loader = build_eval_loader(dataset, cfg.batch_size, cfg.data.num_workers, accelerator.process_index,
+                               accelerator.num_processes)
+    model = model.to(accelerator.device)
     metrics = evaluate(model, loader, accelerator)
     metrics.update(model=cfg.model.name, checkpoint=cfg.checkpoint, weights=cfg.weights)
     output = cfg.output or (str(Path(cfg.checkpoint).with_suffix(".eval.json")) if cfg.checkpoint else None)

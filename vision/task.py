@@ -113,8 +113,8 @@ class DeiTTask(trainer.Task):
                                        loader=load_rgb_tensor)
         val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
         check_same_classes(self.train_set, val_set)
-        self.val_loader = accelerator.prepare(build_eval_loader(val_set, cfg.train.eval_batch_size,
-                                                                cfg.data.num_workers))
+        self.val_loader = build_eval_loader(val_set, cfg.train.eval_batch_size, cfg.data.num_workers,
+                                            accelerator.process_index, accelerator.num_processes)
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
         self.criterion = build_criterion(cfg.augment)
         self.batch_transform = NormalizeErase(cfg.data, cfg.augment)
