@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -31,11 +31,12 @@ def resolve_precision(precision: str) -> str:
 
 def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.PathLike]] = None,
                       tensorboard: bool = True, cpu: bool = False, timeout_minutes: Optional[float] = None,
-                      static_graph: bool = False):
+                      static_graph: bool = False, trackers: Sequence[str] = ()):
     """An :class:`accelerate.Accelerator` with our defaults.
 
     ``precision``: ``auto`` | ``fp32`` | ``bf16`` (autocast; weights and optimizer stay fp32).
-    ``tensorboard``: log through accelerate's TensorBoard tracker into ``run_dir/tb``.
+    ``tensorboard``: log through accelerate's TensorBoard tracker into ``run_dir/tb``; ``trackers``: more of
+    accelerate's trackers (``wandb``, ``mlflow``, ...).
     ``timeout_minutes``: how long a collective may wait (a dead or stuck rank) before the process group fails.
     DDP keeps gradients as views of its all-reduce buckets (no copy, less memory); ``static_graph`` is DDP's.
     TF32 matmuls are enabled on CUDA (as DiT and timm do by default for fp32 training).
@@ -46,14 +47,14 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
 
     mixed = {"fp32": "no", "bf16": "bf16"}[resolve_precision(precision)]
-    use_tb = tensorboard and run_dir is not None
+    log_with = ([] if run_dir is None else (["tensorboard"] if tensorboard else []) + list(trackers)) or None
     project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)) if run_dir else None
     handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True, static_graph=static_graph)]
     if timeout_minutes is not None:
         handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes)))
     # accelerate only joins a CPU process group (gloo, e.g. under torchrun) when told cpu=True.
     cpu = cpu or not torch.cuda.is_available()
-    accelerator = Accelerator(mixed_precision=mixed, cpu=cpu, log_with="tensorboard" if use_tb else None,
+    accelerator = Accelerator(mixed_precision=mixed, cpu=cpu, log_with=log_with,
                               project_config=project, kwargs_handlers=handlers)
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -62,6 +63,24 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
 
 
 SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")  # one process, or DDP over GPUs or CPU processes
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+TRACKER_PACKAGES = {"comet_ml": "comet_ml", "dvclive": "dvclive"}  # module names where they differ from the tracker's
+
+
+def check_trackers(names: Sequence[str]) -> None:
+    """Every tracker named is one of accelerate's and installed: one line naming the missing package otherwise."""
+    import importlib.util
+
+    from common.cli import InputError
+
+    for name in names:
+        if name not in TRACKERS:
+            raise InputError(f"train.trackers: {name!r} is not one of accelerate's trackers ({', '.join(TRACKERS)})")
+        if importlib.util.find_spec(TRACKER_PACKAGES.get(name, name)) is None:
+            raise InputError(f"train.trackers: {name} is not installed: pip install {name.replace('_', '-')} "
+                             "(or leave it out of train.trackers)")
 
 
 def check_engine(accelerator, compile_model: bool) -> None:

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from common.durable import atomic_write_text, raise_disk_failure
 
 METRICS_FILE = "metrics.jsonl"
-TRACKER_NAME = "tb"
+TRACKER_NAME = "siamesenorm"  # the trackers' project (W&B project, MLflow experiment): train.tracker_project
+TENSORBOARD_DIR = "tb"  # <run_dir>/tb
 
 
 def _plain(v):
@@ -61,7 +62,7 @@ class MetricsLogger:
     """
 
     def __init__(self, accelerator, run_dir: Union[str, os.PathLike], config: Optional[Mapping] = None,
-                 resume_step: Optional[int] = None):
+                 resume_step: Optional[int] = None, project: str = TRACKER_NAME):
         self.accelerator = accelerator
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = accelerator.is_main_process
@@ -74,9 +75,20 @@ class MetricsLogger:
         if accelerator.log_with:
             hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in (config or {}).items()}
             purge = {} if resume_step is None else {"purge_step": resume_step + 1}
-            accelerator.init_trackers(TRACKER_NAME, config=hparams, init_kwargs={"tensorboard": purge})
+            run_dir = Path(run_dir)
+            if self.enabled:  # TensorBoard's events in <run_dir>/tb whatever the trackers' project is called
+                from accelerate.tracking import TensorBoardTracker
 
-    def log(self, metrics: Mapping, step: int) -> None:
+                accelerator.log_with = [TensorBoardTracker(TENSORBOARD_DIR, run_dir, **purge) if str(t) == "tensorboard"
+                                        else t for t in accelerator.log_with]
+            # W&B: one run per run directory, continued on resume (its id is kept next to the metrics).
+            wandb = {"dir": str(run_dir), "name": run_dir.name, "id": tracker_run_id(run_dir, self.enabled),
+                     "resume": "allow"}
+            accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": wandb})
+
+    def log(self, metrics: Mapping, step: int, curves: bool = True) -> None:
+        """A record in ``metrics.jsonl`` and, with ``curves``, its numbers as scalar curves in the trackers (the
+        run's constants go to the trackers as hyper-parameters instead, see the ``config`` argument)."""
         if not self.enabled:
             return
         record = {"step": int(step), "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
@@ -88,8 +100,20 @@ class MetricsLogger:
             raise_disk_failure(err, self.path, "The lines logged before stay.")
             raise
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
-        if self.accelerator.log_with and scalars:
+        if self.accelerator.log_with and scalars and curves:
             self.accelerator.log(scalars, step=int(step))
+
+    def log_images(self, images: Mapping[str, "np.ndarray"], step: int) -> None:
+        """uint8 ``(H, W, C)`` images (sample grids) to every tracker that takes images."""
+        if not (self.enabled and self.accelerator.log_with):
+            return
+        for tracker in self.accelerator.trackers:
+            if not hasattr(tracker, "log_images"):
+                continue
+            if tracker.name == "tensorboard":
+                tracker.log_images({k: v[None] for k, v in images.items()}, step=step, dataformats="NHWC")
+            else:
+                tracker.log_images({k: [v] for k, v in images.items()}, step=step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -99,6 +123,22 @@ class MetricsLogger:
         # trainers still need for their final barrier (every multi-process run then exited 1).
         for tracker in self.accelerator.trackers:
             tracker.finish()
+
+
+TRACKER_ID_FILE = ".tracker_run_id"
+
+
+def tracker_run_id(run_dir: Path, main: bool) -> str:
+    """The id trackers that continue runs (W&B) give this run directory: made once, kept in it."""
+    import uuid
+
+    path = run_dir / TRACKER_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:16]
+    if main:
+        atomic_write_text(path, run_id)
+    return run_id
 
 
 def _truncate_records(path: Path, last_step: int) -> None:

@@ -37,8 +37,8 @@ from common.checkpoint import bare_model, save_weights
 from common.cli import InputError, one_line_errors
 from common.config import config_from_cli, config_to_dict, flatten, save_config, schema_defaults
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
-from common.distributed import (build_accelerator, check_divisible, check_engine, gather_objects, rank_seed,
-                                seed_everything)
+from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, gather_objects,
+                                rank_seed, seed_everything)
 from common.durable import atomic_write_text
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
@@ -97,6 +97,8 @@ class RunConfig:
     dist_timeout_minutes: float = 30.0  # a collective waiting this long (a dead or stuck rank) ends the run
     ddp_static_graph: bool = False  # DDP static_graph=True (valid when every step uses every parameter the same way)
     tensorboard: bool = True  # TensorBoard events under <output_dir>/tb
+    trackers: List[str] = field(default_factory=list)  # more of accelerate's trackers: wandb, mlflow, comet_ml, ...
+    tracker_project: str = "siamesenorm"  # the trackers' project (W&B project, MLflow experiment)
 
     def __post_init__(self):
         for name in ("log_every", "ckpt_every", "max_nonfinite", "stop_check_every"):
@@ -126,6 +128,7 @@ RESUMABLE_CHANGES = (
     "train.keep_last", "train.keep_every", "train.max_nonfinite", "train.tensorboard", "train.threads",
     "train.precision", "train.compile", "train.deterministic", "train.ema_decay", "train.ckpt_every_minutes",
     "train.stop_signals", "train.stop_check_every", "train.dist_timeout_minutes", "train.ddp_static_graph",
+    "train.trackers", "train.tracker_project",
     "optim.weight_decay", "optim.betas", "optim.eps", "optim.clip_grad", "optim.grad_accum",
     "data.path", "data.num_workers",
 )
@@ -143,6 +146,7 @@ class StepContext:
     ema_model: Optional[torch.nn.Module]  # the EMA weights, None without train.ema_decay
     run_dir: Path
     set_postfix: Callable[..., None]  # show values on the progress bar: set_postfix(fd="12.3")
+    log_images: Callable[[Dict[str, "np.ndarray"]], None]  # uint8 (H, W, C) images to the trackers, at this step
 
 
 class Task:
@@ -301,9 +305,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ set-up
     def fit(self) -> dict:
         run = self.run
+        check_trackers(run.trackers)
         accelerator = self.accelerator = build_accelerator(run.precision, self.run_dir, run.tensorboard,
                                                            timeout_minutes=run.dist_timeout_minutes,
-                                                           static_graph=run.ddp_static_graph)
+                                                           static_graph=run.ddp_static_graph, trackers=run.trackers)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         check_engine(accelerator, resolve_compile(run.compile, accelerator.device))
         if run.threads:
@@ -421,15 +426,17 @@ class Trainer:
         if accelerator.is_main_process:
             save_config(self.cfg, self.run_dir / "config.yaml")
         self.step = step
+        summary = {"params": self.n_params, "examples": len(self.task.train_set), "steps_per_epoch": self.steps_per_epoch,
+                   "total_steps": self.total_steps, "world_size": self.world, **self.task.run_summary()}
+        # The run's constants reach the trackers as hyper-parameters (run/...), not as one-point curves.
         self.logger = MetricsLogger(accelerator, self.run_dir, resume_step=step if resumed else None,
-                                    config=flatten(config_to_dict(self.cfg)) if run.tensorboard else None)
+                                    config={**flatten(config_to_dict(self.cfg)), **{f"run/{k}": v for k, v in summary.items()}},
+                                    project=run.tracker_project)
         if resumed:
-            self.logger.log({"event": "resumed", **resumed}, step)
+            self.logger.log({"event": "resumed", **resumed}, step, curves=False)
             accelerator.print(f"resumed from {resumed['from']} at step {step}/{self.total_steps}")
         else:
-            self.logger.log({"params": self.n_params, "examples": len(self.task.train_set),
-                             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                             "world_size": self.world, **self.task.run_summary()}, step=0)
+            self.logger.log(summary, step=0, curves=False)
         if self.scheduler is not None:
             self.scheduler.step_update(step)
         self.bar = progress_bar(accelerator, self.total_steps, initial=step)
@@ -590,7 +597,8 @@ class Trainer:
     def context(self, last: bool, epoch_end: bool) -> StepContext:
         return StepContext(step=self.step, epoch=self.step // self.steps_per_epoch, epoch_end=epoch_end, last=last,
                            model=bare_model(self.model), ema_model=self.ema.module if self.ema is not None else None,
-                           run_dir=self.run_dir, set_postfix=self.bar.set_postfix)
+                           run_dir=self.run_dir, set_postfix=self.bar.set_postfix,
+                           log_images=lambda images: self.logger.log_images(images, self.step))
 
     def _after_step(self, last: bool, epoch_end: bool = True) -> None:
         """The task's evaluation / sampling hooks, which must not move training randomness."""

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import numpy as np
 import torch
+from PIL import Image
 
 from common import trainer
 from common.data import resolve_num_workers
@@ -329,7 +331,10 @@ class DiTTask(trainer.Task):
             self._build_samplers(ctx)
         metrics = None
         if grid and self.accelerator.is_main_process:
-            save_grid(self.grid_sampler, self.cfg, ctx.run_dir / "samples" / f"step_{step:07d}.png", self.grid_names)
+            path = ctx.run_dir / "samples" / f"step_{step:07d}.png"
+            save_grid(self.grid_sampler, self.cfg, path, self.grid_names)
+            with Image.open(path) as image:
+                ctx.log_images({"samples": np.asarray(image.convert("RGB"))})
         if fid:
             metrics = self.fid(self.fid_sampler, self.accelerator)
             if metrics is not None:

@@ -1,0 +1,104 @@
+"""Experiment trackers through accelerate: TensorBoard (default) and Weights & Biases, the real package offline.
+
+What reaches them: the training curves, sample grids as images, and the run's constants (parameter count, world
+size, ...) as hyper-parameters, never as one-point curves. A resumed run continues the same W&B run.
+"""
+import glob
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fashion_mnist
+ROOT = Path(__file__).resolve().parents[1]
+DIT = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}",
+       "data.num_workers=0", "train.threads=1", "data.max_samples=32", "optim.batch_size=8", "optim.steps=4",
+       "train.log_every=2", "train.sample_every=2", "train.sample_count=2", "train.sample_steps=2",
+       "train.ema_decay=0.5", "train.ckpt_every=2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def train(out: Path, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diffusion.train", *DIT, *extra, f"train.output_dir={out}"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def wandb_records(run_file: str) -> list:
+    """The protobuf records of an offline ``.wandb`` file (its log format: a 7-byte header, then 32 KiB blocks of
+    records with a 7-byte header each: checksum, length, kind; kinds 2-4 split a record over blocks)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos = Path(run_file).read_bytes(), 32768, 7
+    records, pending = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def history_and_config(run_dir: Path):
+    files = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, config = {}, set()
+    for f in files:
+        for r in wandb_records(f):
+            kind = r.WhichOneof("record_type")
+            if kind == "history":
+                keys = {item.key or "/".join(item.nested_key) for item in r.history.item}
+                history.setdefault(r.history.step.num, set()).update(keys)
+            elif kind == "config":
+                config.update(item.key or "/".join(item.nested_key) for item in r.config.update)
+    return files, history, config
+
+
+def test_weights_and_biases_offline_gets_curves_grids_and_constants_as_config(tmp_path):
+    pytest.importorskip("wandb")
+    proc = train(tmp_path / "run", "train.trackers=[wandb]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files, history, config = history_and_config(tmp_path / "run")
+    assert len(files) == 1
+    assert {"train/loss", "train/mse", "train/grad_norm"} <= history[2] and "train/loss" in history[4]
+    assert any(k.startswith("samples") for k in history[2]) and any(k.startswith("samples") for k in history[4])
+    assert {"run/params", "run/world_size", "optim.lr", "model.topology"} <= config
+    assert not {"params", "world_size", "examples"} & set().union(*history.values())  # constants are not curves
+    assert len(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "files" / "media" / "images" / "samples_*.png"))) == 2
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    assert "train/loss" in events.Tags()["scalars"] and "params" not in events.Tags()["scalars"]
+    assert "samples" in events.Tags()["images"] and len(events.Images("samples")) == 2
+
+
+def test_a_resumed_run_continues_its_weights_and_biases_run(tmp_path):
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    assert train(out, "train.trackers=[wandb]", "train.stop_at_step=2").returncode == 3
+    first_id = (out / ".tracker_run_id").read_text()
+    assert train(out, "train.trackers=[wandb]").returncode == 0
+    files, history, _ = history_and_config(out)
+    assert len(files) == 2 and all(first_id in f for f in files)  # two invocations, one W&B run id
+    assert {2, 4} <= set(history)
+
+
+@pytest.mark.parametrize("trackers, message", [("[nowhere]", "'nowhere' is not one of accelerate's trackers"),
+                                               ("[clearml]", "clearml is not installed: pip install clearml")])
+def test_an_unknown_or_missing_tracker_is_one_line(tmp_path, trackers, message):
+    proc = train(tmp_path, f"train.trackers={trackers}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()
