@@ -50,7 +50,8 @@ import torch
 from common.checkpoint import CheckpointError, load_weights, read_file, weights_fingerprint
 from common.cli import InputError, one_line_errors
 from common.durable import atomic_savez, atomic_write, atomic_write_text
-from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
+from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, images_to_uint8
+from diffusion.evaluation.metrics import MetricsError
 from diffusion.gaussian_diffusion import SPACINGS, GaussianDiffusion
 from diffusion.latents import DEFAULT_VAE, load_vae
 from diffusion.models import DIT_TOPOLOGIES, DiT, DiT_models

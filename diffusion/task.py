@@ -88,7 +88,7 @@ class RunConfig(trainer.RunConfig):
     fid_extractor_weights: Optional[str] = None  # weights file; null: the extractor's cache (see diffusion.fid)
 
     def __post_init__(self):
-        from common.feature_extractors import FEATURE_EXTRACTORS_REGISTRY
+        from diffusion.evaluation.features import FEATURE_EXTRACTORS_REGISTRY
 
         super().__post_init__()
         if self.sample_every < 0 or self.sample_count < 1 or self.sample_steps < 1:
@@ -208,15 +208,15 @@ def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
 class InTrainingFid:
     """Frechet distance of the EMA model's samples to a reference, as diffusion.sample + diffusion.fid compute it.
 
-    The extractor is built and the reference checked once (:class:`common.metrics.Evaluator`). Each call samples
+    The extractor is built and the reference checked once (:class:`diffusion.evaluation.Evaluator`). Each call samples
     on every process -- chunk ``k`` of ``train.fid_batch_size`` samples on process ``k % world``, as diffusion.sample
     splits them -- extracts the features there, and scores the gathered features on the main process: no process
     waits in a barrier while another samples (for DiT-XL/2 that wait would pass NCCL's timeout).
     """
 
     def __init__(self, cfg: RunConfig, device, num_workers: int = 0):
-        from common.feature_extractors import resolve_weights
-        from common.metrics import Evaluator
+        from diffusion.evaluation import Evaluator
+        from diffusion.evaluation.features import resolve_weights
 
         self.cfg = cfg
         resolve_weights(cfg.fid_feature_extractor, cfg.fid_extractor_weights, option="train.fid_extractor_weights=PATH")

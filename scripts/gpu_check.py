@@ -259,7 +259,7 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
 def inception_seconds_per_image(workdir: Path, device, tiny: bool) -> float:
     import torchvision
 
-    from common.feature_extractors import build_feature_extractor
+    from diffusion.evaluation.features import build_feature_extractor
 
     path = workdir / "inception.pth"
     model = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)

@@ -103,7 +103,7 @@ def test_a_symlink_loop_is_refused_naming_the_link(tmp_path):
 
     with pytest.raises(ImageFolderError, match=r"c0/loop is a symlink loop.*expected the layout"):
         build_dataset(DataConfig(path=str(tmp_path / "data"), num_classes=2), "train")
-    from common.metrics import FolderImages, MetricsError
+    from diffusion.evaluation.images import FolderImages, MetricsError
 
     with pytest.raises(MetricsError, match="symlink loop"):
         FolderImages(train)

@@ -157,7 +157,7 @@ def test_imagenet_recipes_state_method_section_4(name, topology, model):
 def test_in_training_fid_equals_sample_then_fid_of_the_saved_ema(tmp_path):
     """fid/fd logged at steps 2 and 3 (the end); at step 3 it is diffusion.sample + diffusion.fid of ema.safetensors."""
     from common.checkpoint import save_weights
-    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.evaluation.features import FashionMNISTClassifier
     from diffusion.fid import sample_and_score
 
     torch.manual_seed(0)
@@ -194,7 +194,7 @@ def test_in_training_fid_sampled_by_two_processes_equals_sample_then_fid(tmp_pat
     """Every process samples its share (chunks k, k + 2, ...) and the main one scores the gathered features: the
     same number as diffusion.sample + diffusion.fid on the run's EMA, up to the batching of the feature pass."""
     from common.checkpoint import save_weights
-    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.evaluation.features import FashionMNISTClassifier
     from diffusion.fid import sample_and_score
 
     torch.manual_seed(0)

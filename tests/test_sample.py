@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.checkpoint import save_weights
-from common.metrics import open_images, read_sampling_protocol
+from diffusion.evaluation.images import open_images, read_sampling_protocol
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.models import DiT
 from diffusion.sample import (
