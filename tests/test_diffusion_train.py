@@ -1,4 +1,5 @@
 """The DiT trainer end to end on tiny pixel-space Fashion-MNIST runs (CPU)."""
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.config import load_config
+from common.data import FASHION_MNIST_CLASSES
 from common.logging import NonFiniteLossError, read_metrics
 from common.train_state import CheckpointManager
 from diffusion.train import TrainConfig, main, train
@@ -72,6 +74,9 @@ def test_short_run_loss_decreases_and_writes_outputs(tmp_path, topology):
     with safe_open(str(tmp_path / "ema.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["topology"] == topology and meta["in_channels"] == "1" and meta["input_size"] == "32"
+    # the schedule it was trained with and its class names, for the sampler and the grids
+    assert (meta["num_timesteps"], meta["beta_start"], meta["beta_end"]) == ("1000", "0.0001", "0.02")
+    assert json.loads(meta["class_names"]) == list(FASHION_MNIST_CLASSES)
 
 
 def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
