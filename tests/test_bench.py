@@ -49,3 +49,13 @@ def test_bench_dit_memory_mode(capsys):
     results = bench_dit([*TINY_DIT, "--memory", "--topologies", "pre,siamese"])["DiT-S/8"]
     assert results["siamese"]["float32 eager"] > results["pre"]["float32 eager"] > 0
     assert "float32 eager MB" in capsys.readouterr().out
+
+
+def test_bench_sampling_prints_before_and_after_side_by_side(capsys):
+    from scripts.bench_sampling import main as bench_sampling
+
+    result = bench_sampling(["--batch", "3", "--shape", "1,8,8", "--steps", "5", "--chain-steps", "2", "--repeat", "1"])
+    for part in ("seeds_us_per_sample", "noise_ms_per_chunk", "chain_ms_per_chunk"):
+        assert set(result[part]) == {"before", "after", "ratio"} and result[part]["ratio"] > 0
+    out = capsys.readouterr().out
+    assert "before" in out and "after" in out and "ratio" in out
