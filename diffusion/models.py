@@ -404,9 +404,10 @@ def check_dit_arguments(name: str, topology: str, class_dropout_prob: float, kwa
 class DiTSpec:
     """Everything that rebuilds a DiT around its weights and samples it as it was trained, in one place.
 
-    The trainer writes it into ``model.safetensors`` / ``ema.safetensors`` (:meth:`metadata`); the sampler, FID and
-    comparison read it back from any checkpoint (:func:`load_dit`). What a file does not record falls back to the
-    published DiT's values (:meth:`published`): the official checkpoints record nothing.
+    The trainer writes it into ``model.safetensors`` / ``ema.safetensors`` (:meth:`metadata`); the sampler, FID,
+    export and comparison read it back from any checkpoint (:func:`load_dit`), and a shared folder carries it as
+    its ``config.json`` (:mod:`diffusion.hub`). What a file does not record falls back to the published DiT's
+    values (:meth:`published`): the official checkpoints record nothing.
     """
 
     name: str  # a key of DiT_models
@@ -520,13 +521,27 @@ class DiTSpec:
         return cls.published(**values)
 
 
+HUB_WEIGHTS = "diffusion_pytorch_model.safetensors"  # the weights file of a save_pretrained folder (diffusion.hub)
+
+
 def read_checkpoint(path, weights: Optional[str] = None) -> Tuple[Any, Dict[str, Any], Optional[str]]:
     """``(state dict source, spec fields the file records, weights entry used)`` of any DiT checkpoint: a
     safetensors file of diffusion.train (metadata), a training checkpoint ``step_*.pt`` (its config; the EMA weights
-    unless ``weights`` names another entry) or a plain state dict."""
+    unless ``weights`` names another entry), a ``save_pretrained`` folder (``config.json``) or a plain state dict."""
     from common.checkpoint import read_file
 
     path = Path(path)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{path} is a folder without config.json: not a saved DiT (DiTModel.save_pretrained)")
+        config = json.loads(config_file.read_text())
+        if config.get("_class_name") != "DiTModel":
+            raise CheckpointError(f"{config_file} describes a {config.get('_class_name')}, not a DiTModel (python -m "
+                                  "diffusion.export --format hub writes one)")
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+        config["kwargs"] = config.pop("model_kwargs", None) or {}  # diffusers' configs cannot hold a key "kwargs"
+        return read_file(path / HUB_WEIGHTS), {k: v for k, v in config.items() if v is not None}, None
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 

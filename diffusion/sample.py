@@ -13,8 +13,8 @@
         --cfg-scale 1.5 --num-samples 50000 --out-dir samples/dit_xl2_cfg1.5
 
 Checkpoints: ``.safetensors`` written by diffusion.train (the model, its diffusion schedule and class names are
-rebuilt from the metadata inside), training checkpoints ``step_*.pt`` (EMA weights unless ``--weights model``), or
-plain state dicts such as the official DiT ones (then
+rebuilt from the metadata inside), training checkpoints ``step_*.pt`` (EMA weights unless ``--weights model``), a
+folder of ``python -m diffusion.export --format hub``, or plain state dicts such as the official DiT ones (then
 ``--model`` and ``--image-size`` are needed; they sample with DiT's schedule). The VAE (``--vae``) defaults to the one
 the model was trained with; ``--vae none`` for pixel-space models.
 
