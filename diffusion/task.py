@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar, Dict, Literal, Optional
 
 import torch
 
@@ -73,6 +73,7 @@ class RunConfig(trainer.RunConfig):
     fid_reference: Optional[str] = None  # fashion-mnist:test, image folder, .npz images, or statistics .npz (ADM's)
     fid_feature_extractor: str  # inception-v3-compat (ADM's), or fmnist-cnn (the CPU recipe)
     fid_extractor_weights: Optional[str] = None  # weights file; null: the extractor's cache (see diffusion.fid)
+    fid_precision: Literal["fp32", "bf16"] = "fp32"  # the model's forward when sampling for FID (diffusion.sample's --precision)
 
     def __post_init__(self):
         from diffusion.evaluation.features import FEATURE_EXTRACTORS_REGISTRY
@@ -144,11 +145,11 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
 
 
 def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
-                  cfg_scale: float = 1.0) -> Sampler:
+                  cfg_scale: float = 1.0, precision: str = "fp32") -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
     return Sampler(ema_model, spec, decoder, spec.diffusion(sampling_steps=steps), cfg_scale=cfg_scale, seed=seed,
-                   device=str(device))
+                   device=str(device), precision=precision)
 
 
 @contextlib.contextmanager
@@ -285,7 +286,8 @@ class DiTTask(trainer.Task):
             self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none",
                                           names=self.spec.class_names)
         if run.fid_every:
-            self.fid_sampler = build_sampler(self.spec, weights, device, decoder, run.fid_steps, run.seed)
+            self.fid_sampler = build_sampler(self.spec, weights, device, decoder, run.fid_steps, run.seed,
+                                             precision=run.fid_precision)
 
     def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
         run, step = self.cfg.train, ctx.step

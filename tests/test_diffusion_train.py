@@ -181,6 +181,29 @@ def test_in_training_fid_equals_sample_then_fid_of_the_saved_ema(tmp_path):
     assert direct["metrics"]["fid"] == logged[1]["fid/fd"]
 
 
+def test_in_training_fid_in_bf16_equals_sample_in_bf16_then_fid(tmp_path):
+    """train.fid_precision=bf16 is diffusion.sample --precision bf16: the same number, and another than fp32's."""
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
+    fid = ["train.fid_every=2", "train.fid_samples=16", "train.fid_steps=3", "train.fid_reference=fashion-mnist:test",
+           "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={weights}", "train.fid_precision=bf16"]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        train(config(tmp_path / "run", *SMALL, "optim.steps=2", "train.seed=5", *fid))
+    (logged,) = [r for r in read_metrics(tmp_path / "run") if "fid/fd" in r]
+    scores = {}
+    for precision in ("bf16", "fp32"):
+        with pytest.warns(UserWarning, match="covariance is singular"):
+            scores[precision] = sample_and_score(tmp_path / "run" / "ema.safetensors", tmp_path / precision,
+                                                 num_samples=16, steps=3, extractor_weights=weights, seed=5,
+                                                 extra_sample_args=["--precision", precision])["metrics"]["fid"]
+    assert logged["fid/fd"] == scores["bf16"] != scores["fp32"]
+
+
 def test_in_training_fid_config_errors(tmp_path, capsys):
     # Tiny settings: a case that wrongly passes validation fails fast instead of training the whole recipe.
     base = ["--config", str(ROOT / "configs/fmnist_dit_pre.yaml"), *TINY, *SMALL, "optim.steps=1",
