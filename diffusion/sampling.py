@@ -47,6 +47,9 @@ class SamplingError(InputError):
 # ------------------------------------------------------------------------------------------ noise and labels
 
 _SEED_MASK = 0xFFFFFFFF
+# numpy's SeedSequence constants (numpy/random/bit_generator.pyx): hashing entropy in, mixing the pool, drawing out
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_MULT_L, _MIX_MULT_R = 0xCA01F9DD, 0x4973F715
 
 
 def sample_seeds(seed: int, indices) -> np.ndarray:
@@ -60,16 +63,16 @@ def sample_seeds(seed: int, indices) -> np.ndarray:
     if not (0 <= seed <= _SEED_MASK) or (idx.size and (idx.min() < 0 or idx.max() > _SEED_MASK)):
         return np.array([np.random.SeedSequence([int(seed), int(i)]).generate_state(1)[0] for i in idx], np.uint32)
     u32 = np.uint32
-    hash_const = [0x43B0D7E5]
+    hash_const = [_INIT_A]  # advances with every hash, the same for every sample
 
     def hashmix(value):
         value = value ^ u32(hash_const[0])
-        hash_const[0] = (hash_const[0] * 0x931E8875) & _SEED_MASK
+        hash_const[0] = (hash_const[0] * _MULT_A) & _SEED_MASK
         value = value * u32(hash_const[0])
         return value ^ (value >> u32(16))
 
     def mix(x, y):
-        result = u32(0xCA01F9DD) * x - u32(0x4973F715) * y
+        result = u32(_MIX_MULT_L) * x - u32(_MIX_MULT_R) * y
         return result ^ (result >> u32(16))
 
     words = [np.full(idx.shape, seed, u32), idx.astype(u32), np.zeros(idx.shape, u32), np.zeros(idx.shape, u32)]
@@ -78,7 +81,7 @@ def sample_seeds(seed: int, indices) -> np.ndarray:
         for dst in range(4):
             if src != dst:
                 pool[dst] = mix(pool[dst], hashmix(pool[src]))
-    state = (pool[0] ^ u32(0x8B51F9DD)) * u32((0x8B51F9DD * 0x58F38DED) & _SEED_MASK)  # generate_state(1)
+    state = (pool[0] ^ u32(_INIT_B)) * u32((_INIT_B * _MULT_B) & _SEED_MASK)  # generate_state(1): the first word
     return state ^ (state >> u32(16))
 
 
