@@ -37,7 +37,7 @@ Tensor = torch.Tensor
 SAMPLERS = ("ddpm", "ddim")
 PRECISIONS = ("fp32", "bf16")
 SETTINGS_FILE = "settings.json"
-NOISE_WINDOW = 32  # reverse-chain draws per torch call and sample
+NOISE_WINDOW = 16  # reverse-chain draws per torch call and sample (a DiT-XL chunk of 64: 16 MB a window)
 
 
 class SamplingError(InputError):
@@ -116,8 +116,10 @@ def chain_noise(generators: Sequence[torch.Generator], shape: Sequence[int], dra
     sizes = [min(window, draws - done) for done in range(0, draws, window)]
 
     def draw(n: int) -> Tensor:
-        buffer = torch.empty((n, len(generators), *shape), pin_memory=pinned)  # (draws, B, C, H, W)
-        return torch.stack([torch.randn((n, *shape), generator=g) for g in generators], dim=1, out=buffer)
+        buffer = torch.empty((len(generators), n, *shape), pin_memory=pinned)  # (B, draws, C, H, W)
+        for row, g in zip(buffer, generators):
+            torch.randn((n, *shape), generator=g, out=row)  # straight into the sample's contiguous rows
+        return buffer
 
     with ThreadPoolExecutor(max_workers=1) as worker:
         pending = worker.submit(draw, sizes[0]) if sizes else None
@@ -125,7 +127,9 @@ def chain_noise(generators: Sequence[torch.Generator], shape: Sequence[int], dra
             buffer = pending.result()
             if k + 1 < len(sizes):
                 pending = worker.submit(draw, sizes[k + 1])
-            yield from buffer.to(device, non_blocking=pinned)
+            block = buffer.to(device, non_blocking=pinned)  # (B, draws, C, H, W)
+            for j in range(block.shape[1]):
+                yield block[:, j]  # (B, C, H, W)
 
 
 def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
