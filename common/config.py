@@ -41,6 +41,10 @@ class ConfigError(ValueError):
     """A recipe file or override that does not fit the config schema."""
 
 
+class MissingSettingError(ConfigError):
+    """A key without a default (a recipe number) that neither the files nor the overrides set."""
+
+
 # ----------------------------------------------------------------------------- reading files
 
 def read_yaml(path: Union[str, os.PathLike], _chain: Sequence[Path] = ()) -> dict:
@@ -215,9 +219,9 @@ def _build(cls: Type[T], values: Mapping, where: str = "") -> T:
             kwargs[name] = _build(hints[name], {}, key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             section = where.split(".")[-1] if where else None
-            raise ConfigError(f"{key} is required and not set (the YAML recipes in configs/ give it): "
-                              + (f"add `{name}: VALUE` under `{section}:` in the recipe, " if section else "")
-                              + f"or pass {key}=VALUE")
+            raise MissingSettingError(f"{key} is required and not set (the YAML recipes in configs/ give it): "
+                                      + (f"add `{name}: VALUE` under `{section}:` in the recipe, " if section else "")
+                                      + f"or pass {key}=VALUE")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:
@@ -252,9 +256,21 @@ def schema_defaults(cls) -> dict:
     return out
 
 
+def _build_root(cls: Type[T], values: Mapping) -> T:
+    """:func:`_build`; a missing key also names the recipe that sets it (the schema's ``RECIPE``, if it has one)."""
+    try:
+        return _build(cls, values)
+    except MissingSettingError as err:
+        recipe = getattr(cls, "RECIPE", None)
+        if recipe is None:
+            raise
+        raise MissingSettingError(f"{err}; {recipe} sets it: start your YAML with `base: {Path(recipe).name}` (a path "
+                                  "relative to your file)") from None
+
+
 def from_dict(cls: Type[T], values: Mapping) -> T:
     """Build and validate a config dataclass from a plain (nested) dict."""
-    return _build(cls, values)
+    return _build_root(cls, values)
 
 
 def load_config(cls: Type[T], path: Optional[Union[str, os.PathLike]] = None, overrides: Iterable[str] = ()) -> T:
@@ -262,7 +278,7 @@ def load_config(cls: Type[T], path: Optional[Union[str, os.PathLike]] = None, ov
     values = read_yaml(path) if path is not None else {}
     values = deep_merge(values, parse_overrides(overrides))
     try:
-        return _build(cls, values)
+        return _build_root(cls, values)
     except ConfigError as err:
         origin = f" (from {path} and overrides {list(overrides)})" if path else ""
         raise ConfigError(f"{err}{origin}") from None

@@ -15,18 +15,18 @@ from typing import Literal, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
-from common.data import load_fashion_mnist
-from diffusion.latents import DEFAULT_VAE, LatentDataset, draw_latent
+from common.data import FASHION_MNIST_CLASSES, load_fashion_mnist
+from diffusion.latents import LatentDataset, draw_latent
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataConfig:
-    dataset: Literal["latents", "fashion_mnist"] = "latents"
+    dataset: Literal["latents", "fashion_mnist"]
     path: Optional[str] = None  # latents: the --out of diffusion.extract_latents; fashion_mnist: optional root
-    autoencoder: str = DEFAULT_VAE  # VAE that decodes sample grids (dir or HF id); "none" = pixel space
-    image_size: int = 256  # pixels; latents: must match the extraction
-    num_classes: int = 1000
-    hflip: bool = True  # random horizontal flip (latents: the stored flipped view)
+    autoencoder: str  # VAE that decodes sample grids (dir or HF id); "none" = pixel space
+    image_size: int  # pixels; latents: must match the extraction
+    num_classes: int
+    hflip: bool  # random horizontal flip (latents: the stored flipped view)
     max_samples: Optional[int] = None  # keep the first N training examples (quick runs, tests)
     num_workers: Union[int, Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
 
@@ -45,6 +45,8 @@ class DataConfig:
 class PixelImages(Dataset):
     """Fashion-MNIST in [-1, 1], padded to ``image_size`` with the black background, randomly mirrored
     when ``hflip``: ``(x0 (1, S, S), label)``."""
+
+    classes = FASHION_MNIST_CLASSES
 
     def __init__(self, split: str, image_size: int, root: Optional[str] = None, limit: Optional[int] = None,
                  hflip: bool = True):
@@ -72,6 +74,7 @@ class LatentImages(Dataset):
 
     def __init__(self, root: str, hflip: bool = True, limit: Optional[int] = None):
         self.moments = LatentDataset(root)
+        self.classes = self.moments.classes  # the image folder's class names (ImageNet: WordNet ids)
         self.hflip = hflip
         self.length = len(self.moments) if limit is None else min(limit, len(self.moments))
 

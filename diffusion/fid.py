@@ -35,16 +35,11 @@ from pathlib import Path
 from common.cli import one_line_errors
 from common.data import resolve_num_workers
 from common.durable import atomic_write_text
-from common.feature_extractors import INCEPTION, FeatureExtractorError
-from common.metrics import (
-    ADM_IS_SPLIT_SIZE,
-    ADM_REFERENCE_IMAGES,
-    METRICS,
-    MetricsError,
-    build_reference_statistics,
-    compute_metrics,
-    open_images,
-)
+from diffusion.evaluation.evaluator import METRICS, compute_metrics
+from diffusion.evaluation.features import INCEPTION, FeatureExtractorError
+from diffusion.evaluation.images import open_images
+from diffusion.evaluation.metrics import ADM_IS_SPLIT_SIZE, MetricsError
+from diffusion.evaluation.reference import ADM_REFERENCE_IMAGES, build_reference_statistics
 
 
 def parse_args(argv=None):

@@ -1,6 +1,7 @@
-"""Gaussian diffusion as DiT trains and samples it (docs/method.md section 4).
+"""Gaussian diffusion as DiT trains and samples it (docs/method.md section 4), every step rule side by side.
 
-1000 steps, linear betas 1e-4..0.02, the network predicts the noise ``eps`` and, with
+A linear beta schedule (the recipe's length and betas; DiT's: 1000 steps, 1e-4..0.02), the network predicts the
+noise ``eps`` and, with
 ``learn_sigma=True``, a second set of channels ``v`` in [-1, 1] that interpolates the log-variance of
 each reverse step between the posterior variance and ``beta_t`` ("learned range", Nichol & Dhariwal).
 The training loss is ``MSE(eps) + VLB`` where the VLB term sees the predicted mean with its gradient
@@ -73,6 +74,9 @@ def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tens
 
 
 SPACINGS = ("even", "ddim")
+# The published DiT's schedule (facebookresearch/DiT): what a checkpoint that records none was trained with.
+# Recipes set their own in configs/; the sampler reads it from the weights' metadata.
+DIT_SCHEDULE = {"num_train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
 
 
 def respaced_timesteps(num_timesteps: int, respacing: Union[int, str]) -> List[int]:
@@ -142,11 +146,11 @@ def respacing_string(steps: Union[int, str, None], spacing: str, num_timesteps: 
 
 
 class GaussianDiffusion:
-    """DDPM schedule, posterior, reverse step and DiT's training loss.
+    """DDPM schedule, posterior, the reverse steps (DDPM and DDIM) and DiT's training loss.
 
     Args:
-        num_train_timesteps: length of the training chain (1000).
-        beta_start, beta_end: the linear beta schedule.
+        num_train_timesteps: length of the training chain.
+        beta_start, beta_end: the linear beta schedule (:data:`DIT_SCHEDULE` for the published DiT's).
         learn_sigma: the model outputs ``2C`` channels (eps and the variance interpolation ``v``).
         sampling_steps: respace to this many steps (``None`` = all training steps), or an ADM respacing
             string (``"250"``, ``"ddim50"``, ``"10,15,20"``); see :func:`respaced_timesteps`.
@@ -156,15 +160,16 @@ class GaussianDiffusion:
 
     def __init__(
         self,
-        num_train_timesteps: int = 1000,
-        beta_start: float = 1e-4,
-        beta_end: float = 0.02,
-        learn_sigma: bool = True,
+        num_train_timesteps: int,
+        beta_start: float,
+        beta_end: float,
+        learn_sigma: bool,
         sampling_steps: Optional[Union[int, str]] = None,
         spacing: str = "even",
     ):
         self.learn_sigma = learn_sigma
         self.num_train_timesteps = num_train_timesteps
+        self.beta_start, self.beta_end = beta_start, beta_end
         self.scheduler = DDPMScheduler(
             num_train_timesteps=num_train_timesteps,
             beta_schedule="linear",
@@ -272,6 +277,21 @@ class GaussianDiffusion:
         nonzero = (t != 0).to(x_t.dtype).reshape(-1, *([1] * (x_t.ndim - 1)))
         sample = out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise
         return {"sample": sample, "pred_xstart": out["pred_xstart"]}
+
+    def ddim_sample(self, model_output: Tensor, x_t: Tensor, t: Tensor, noise: Tensor,
+                    eta: float = 0.0) -> Dict[str, Tensor]:
+        """One DDIM step (Song et al.; ADM's ``ddim_sample``) to the previous *respaced* step, with noise scale
+        ``eta`` (0: deterministic); the variance channels are not used. Returns ``sample`` and ``pred_xstart``.
+
+        Written here because diffusers' DDIMScheduler steps to ``t - T // n``, not to the previous respaced step.
+        """
+        eps, _ = self.split_output(model_output, x_t)
+        pred_xstart = self.predict_xstart_from_eps(x_t, t, eps)
+        abar, abar_prev = extract(self.alphas_cumprod, t, x_t), extract(self.alphas_cumprod_prev, t, x_t)
+        sigma = eta * torch.sqrt((1 - abar_prev) / (1 - abar)) * torch.sqrt(1 - abar / abar_prev)
+        mean = pred_xstart * torch.sqrt(abar_prev) + torch.sqrt(1 - abar_prev - sigma ** 2) * eps
+        nonzero = (t != 0).to(x_t.dtype).reshape(-1, *([1] * (x_t.ndim - 1)))
+        return {"sample": mean + nonzero * sigma * noise, "pred_xstart": pred_xstart}
 
     # ------------------------------------------------------------------------------------------ losses
     def vb_terms_bpd(self, model_output: Tensor, x_start: Tensor, x_t: Tensor, t: Tensor) -> Tensor:

@@ -10,61 +10,50 @@ by ``(train.seed, i)``, no guidance) against ``train.fid_reference``, logged as 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, ClassVar, Dict, Literal, Optional
 
 import numpy as np
 import torch
 from PIL import Image
 
 from common import trainer
+from common.config import config_to_dict
 from common.data import resolve_num_workers
-from common.residual import check_topology
 from diffusion.data import DataConfig, DiffusionExamples, build_images
-from diffusion.gaussian_diffusion import GaussianDiffusion
-from diffusion.models import DIT_TOPOLOGIES, DiT, DiT_models
+from diffusion.models import DiTSpec, check_dit_arguments
+from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, write_grid
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
-    name: str = "DiT-B/2"  # a key of diffusion.models.DiT_models
-    topology: str = "pre"  # one of diffusion.models.DIT_TOPOLOGIES
-    learn_sigma: bool = True  # 2C outputs and the MSE+VLB loss; false: C outputs, plain MSE
-    class_dropout_prob: float = 0.1  # label dropout for classifier-free guidance
+    name: str  # a key of diffusion.models.DiT_models
+    topology: str  # one of diffusion.models.DIT_TOPOLOGIES
+    learn_sigma: bool  # 2C outputs and the MSE+VLB loss; false: C outputs, plain MSE
+    class_dropout_prob: float  # label dropout for classifier-free guidance
     grad_checkpointing: bool = False  # recompute blocks in the backward pass (less memory)
     kwargs: Dict[str, Any] = field(default_factory=dict)  # further DiT arguments (hidden_size, depth, ...)
 
     def __post_init__(self):
-        check_topology(self.topology, DIT_TOPOLOGIES)
-        if self.name not in DiT_models:
-            raise ValueError(f"model.name={self.name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
-        if not 0.0 <= self.class_dropout_prob < 1.0:
-            raise ValueError(f"model.class_dropout_prob={self.class_dropout_prob} must lie in [0, 1)")
-        own = {"input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "topology"}
-        allowed = [p for p in inspect.signature(DiT).parameters if p not in own]
-        unknown = [k for k in self.kwargs if k not in allowed]
-        if unknown:
-            raise ValueError(f"model.kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
+        check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DiffusionConfig:
-    num_timesteps: int = 1000
-    beta_start: float = 1e-4
-    beta_end: float = 0.02
+    num_timesteps: int  # linear betas from beta_start to beta_end
+    beta_start: float
+    beta_end: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
-    """AdamW at a constant learning rate, as DiT (its numbers are in configs/dit_recipe.yaml)."""
+    """AdamW at a constant learning rate, as DiT."""
 
-    lr: float = 1e-4  # constant
-    steps: int = 400_000
+    lr: float  # constant
+    steps: int
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,25 +61,24 @@ class OptimConfig(trainer.OptimConfig):
             raise ValueError(f"optim.steps={self.steps} must be >= 1 and optim.lr={self.lr} positive")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunConfig(trainer.RunConfig):
     output_dir: str = "runs/dit"
-    ema_decay: Optional[float] = 0.9999  # the EMA weights are the ones sampled (null: sample the raw weights)
-    ckpt_every: int = 50_000  # steps (also at the end, and at stop_at_step)
-    sample_every: int = 10_000  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
-    sample_count: int = 16  # images in a grid
-    sample_steps: int = 100  # respaced DDPM steps for the grids
+    sample_every: int = 0  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
+    sample_count: int  # images in a grid
+    sample_steps: int  # respaced DDPM steps for the grids
     sample_cfg_scale: float = 1.0  # classifier-free guidance for the grids (1 = none)
     fid_every: int = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
-    fid_samples: int = 5000  # images generated per evaluation (class i % num_classes, as diffusion.sample)
-    fid_steps: int = 250  # respaced DDPM steps (diffusion.sample's default), no guidance
+    fid_samples: int  # images generated per evaluation (class i % num_classes, as diffusion.sample)
+    fid_steps: int  # respaced DDPM steps, no guidance
     fid_batch_size: int = 64  # samples per forward pass (diffusion.sample's --batch-size default)
     fid_reference: Optional[str] = None  # fashion-mnist:test, image folder, .npz images, or statistics .npz (ADM's)
-    fid_feature_extractor: str = "inception-v3-compat"  # or fmnist-cnn (the CPU recipe)
+    fid_feature_extractor: str  # inception-v3-compat (ADM's), or fmnist-cnn (the CPU recipe)
     fid_extractor_weights: Optional[str] = None  # weights file; null: the extractor's cache (see diffusion.fid)
+    fid_precision: Literal["fp32", "bf16"] = "fp32"  # the model's forward when sampling for FID (diffusion.sample's --precision)
 
     def __post_init__(self):
-        from common.feature_extractors import FEATURE_EXTRACTORS_REGISTRY
+        from diffusion.evaluation.features import FEATURE_EXTRACTORS_REGISTRY
 
         super().__post_init__()
         if self.sample_every < 0 or self.sample_count < 1 or self.sample_steps < 1:
@@ -112,36 +100,22 @@ class RunConfig(trainer.RunConfig):
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(dataset="fashion_mnist", autoencoder="none", image_size=32))
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: RunConfig = field(default_factory=RunConfig)
+    """A DiT training run. The numbers are the recipe's (:attr:`RECIPE` and the files that base on it): the fields
+    without a default have none in code."""
+
+    RECIPE: ClassVar[str] = "configs/dit_recipe.yaml"
+
+    model: ModelConfig
+    data: DataConfig
+    diffusion: DiffusionConfig
+    optim: OptimConfig
+    train: RunConfig
 
     def __post_init__(self):
         if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
                 self.train.sample_every or self.train.fid_every):
             raise ValueError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
                              "the latents); or set train.sample_every=0 and train.fid_every=0 to train without a VAE")
-
-
-def build_model(cfg: TrainConfig, sample_shape) -> torch.nn.Module:
-    channels, size, _ = sample_shape
-    model = DiT_models[cfg.model.name](
-        input_size=size, in_channels=channels, num_classes=cfg.data.num_classes, learn_sigma=cfg.model.learn_sigma,
-        class_dropout_prob=cfg.model.class_dropout_prob, topology=cfg.model.topology, **cfg.model.kwargs,
-    )
-    model.set_grad_checkpointing(cfg.model.grad_checkpointing)
-    return model
-
-
-def weights_metadata(cfg: TrainConfig, sample_shape, step: int, latent_vae: dict) -> dict:
-    """What a sampler needs to rebuild the model around exported weights (and to check the VAE it decodes with)."""
-    vae = {k: str(v) for k, v in latent_vae.items() if k in ("vae_sha256", "vae_scaling_factor") and v is not None}
-    return {"model": cfg.model.name, "topology": cfg.model.topology, "learn_sigma": cfg.model.learn_sigma,
-            "class_dropout_prob": cfg.model.class_dropout_prob, "in_channels": sample_shape[0],
-            "input_size": sample_shape[1], "num_classes": cfg.data.num_classes, "model_kwargs": json.dumps(cfg.model.kwargs),
-            "autoencoder": cfg.data.autoencoder, **vae, "step": step}
 
 
 def latent_vae(images) -> dict:
@@ -152,12 +126,18 @@ def latent_vae(images) -> dict:
     return {"vae": meta.get("vae"), "vae_sha256": meta.get("vae_sha256"), "vae_scaling_factor": meta.get("scaling_factor")}
 
 
+def model_spec(cfg: TrainConfig, images) -> DiTSpec:
+    """The trained model's description, from the config and the data: what the weights' metadata records."""
+    names = getattr(images, "classes", None)
+    found = DiTSpec.from_train_config(config_to_dict(cfg), tuple(images[0][0].shape), latent_vae(images),
+                                      names if names is not None and len(names) == cfg.data.num_classes else None)
+    return DiTSpec(**found)
+
+
 # --------------------------------------------------------------------------------------- sampling
-def build_decoder(cfg: TrainConfig, device, expect: dict):
+def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
     """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once, checked against the VAE of the
     latents, and drawing non-finite samples black (a grid or FID never stops a run)."""
-    from diffusion.sample import Decoder
-
     try:
         return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
                        made_with=f"the latents in {cfg.data.path} were encoded with")
@@ -166,18 +146,12 @@ def build_decoder(cfg: TrainConfig, device, expect: dict):
                                 "sample grids and in-training FID.") from err
 
 
-def build_sampler(cfg: TrainConfig, ema_model, sample_shape, device, decoder, steps: int, cfg_scale: float = 1.0):
-    """diffusion.sample's sampler on the EMA weights, with fixed per-image noise streams (seeded by
+def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
+                  cfg_scale: float = 1.0, precision: str = "fp32") -> Sampler:
+    """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
-    from diffusion.sample import ModelSpec, Sampler
-
-    spec = ModelSpec(name=cfg.model.name, topology=cfg.model.topology, learn_sigma=cfg.model.learn_sigma,
-                     class_dropout_prob=cfg.model.class_dropout_prob, in_channels=sample_shape[0],
-                     input_size=sample_shape[1], num_classes=cfg.data.num_classes, kwargs=cfg.model.kwargs,
-                     autoencoder=cfg.data.autoencoder)
-    diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start, cfg.diffusion.beta_end,
-                                  learn_sigma=cfg.model.learn_sigma, sampling_steps=steps)
-    return Sampler(ema_model, spec, decoder, diffusion, cfg_scale=cfg_scale, seed=cfg.train.seed, device=str(device))
+    return Sampler(ema_model, spec, decoder, spec.diffusion(sampling_steps=steps), cfg_scale=cfg_scale, seed=seed,
+                   device=str(device), precision=precision)
 
 
 @contextlib.contextmanager
@@ -194,8 +168,6 @@ def eval_mode(model):
 @torch.no_grad()
 def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
     """Sample ``i`` of class ``i % num_classes``, fixed noise: the same grid at every step, upscaled and labelled."""
-    from diffusion.sample import write_grid
-
     indices = torch.arange(cfg.train.sample_count)
     labels = indices % cfg.data.num_classes
     before = sampler.decoder.nonfinite_images
@@ -210,15 +182,15 @@ def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
 class InTrainingFid:
     """Frechet distance of the EMA model's samples to a reference, as diffusion.sample + diffusion.fid compute it.
 
-    The extractor is built and the reference checked once (:class:`common.metrics.Evaluator`). Each call samples
+    The extractor is built and the reference checked once (:class:`diffusion.evaluation.Evaluator`). Each call samples
     on every process -- chunk ``k`` of ``train.fid_batch_size`` samples on process ``k % world``, as diffusion.sample
     splits them -- extracts the features there, and scores the gathered features on the main process: no process
     waits in a barrier while another samples (for DiT-XL/2 that wait would pass NCCL's timeout).
     """
 
     def __init__(self, cfg: RunConfig, device, num_workers: int = 0):
-        from common.feature_extractors import resolve_weights
-        from common.metrics import Evaluator
+        from diffusion.evaluation import Evaluator
+        from diffusion.evaluation.features import resolve_weights
 
         self.cfg = cfg
         resolve_weights(cfg.fid_feature_extractor, cfg.fid_extractor_weights, option="train.fid_extractor_weights=PATH")
@@ -229,7 +201,6 @@ class InTrainingFid:
     def __call__(self, sampler, accelerator) -> Optional[dict]:
         """``fid/...`` metrics on the main process, None on the others."""
         from common.distributed import gather_objects
-        from diffusion.sample import balanced_labels
 
         start = time.perf_counter()
         chunks = list(torch.arange(self.cfg.fid_samples).split(self.cfg.fid_batch_size))
@@ -275,22 +246,22 @@ class DiTTask(trainer.Task):
         cfg = self.cfg
         self.accelerator = accelerator
         images = build_images(cfg.data)
-        self.sample_shape = tuple(images[0][0].shape)
+        self.spec = model_spec(cfg, images)
         self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob)
-        self.diffusion = GaussianDiffusion(cfg.diffusion.num_timesteps, cfg.diffusion.beta_start,
-                                           cfg.diffusion.beta_end, learn_sigma=cfg.model.learn_sigma).to(accelerator.device)
+        self.diffusion = self.spec.diffusion().to(accelerator.device)
         self.grid_sampler = self.fid_sampler = None
         self._samplers_built = False
         # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
         run, main = cfg.train, accelerator.is_main_process
-        self.latent_vae = latent_vae(images)
-        self.decoder = (build_decoder(cfg, accelerator.device, self.latent_vae)
+        self.decoder = (build_decoder(cfg, accelerator.device, latent_vae(images))
                         if run.fid_every or (run.sample_every and main) else None)
         self.fid = (InTrainingFid(run, accelerator.device, resolve_num_workers(cfg.data.num_workers))
                     if run.fid_every else None)
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.cfg, self.sample_shape)
+        model = self.spec.build()
+        model.set_grad_checkpointing(self.cfg.model.grad_checkpointing)
+        return model
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.cfg.optim.steps
@@ -312,14 +283,13 @@ class DiTTask(trainer.Task):
         weights = ctx.ema_model if ctx.ema_model is not None else ctx.model
         decoder = self.decoder  # loaded in setup(), shared by both samplers
         if run.sample_every and main:
-            self.grid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.sample_steps,
+            self.grid_sampler = build_sampler(self.spec, weights, device, decoder, run.sample_steps, run.seed,
                                               run.sample_cfg_scale)
-            from diffusion.sample import class_names
-
-            listed = getattr(getattr(self.train_set.images, "moments", None), "metadata", {}).get("classes")
-            self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none", names=listed)
+            self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none",
+                                          names=self.spec.class_names)
         if run.fid_every:
-            self.fid_sampler = build_sampler(cfg, weights, self.sample_shape, device, decoder, run.fid_steps)
+            self.fid_sampler = build_sampler(self.spec, weights, device, decoder, run.fid_steps, run.seed,
+                                             precision=run.fid_precision)
 
     def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
         run, step = self.cfg.train, ctx.step
@@ -349,4 +319,4 @@ class DiTTask(trainer.Task):
         return {"fid": self.last_fid["fid/fd"], "fid_samples": self.last_fid["fid/samples"], "fid_step": ctx.step}
 
     def weights_metadata(self, step: int) -> dict:
-        return weights_metadata(self.cfg, self.sample_shape, step, self.latent_vae)
+        return self.spec.metadata(step=step)

@@ -38,7 +38,7 @@ def smooth_images(rng, count: int, sizes, grid: int = 6):
 def write_inputs(out: Path, count: int, seed: int = 0) -> dict:
     from PIL import Image
 
-    from common.feature_extractors import INCEPTION_WEIGHTS_FILE, write_random_inception
+    from diffusion.evaluation.features import INCEPTION_WEIGHTS_FILE, write_random_inception
 
     weights = out / INCEPTION_WEIGHTS_FILE
     if not weights.exists():
@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from common.metrics import Evaluator
+    from diffusion.evaluation import Evaluator
     from diffusion import fid
 
     args.out.mkdir(parents=True, exist_ok=True)

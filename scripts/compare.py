@@ -341,7 +341,7 @@ def parse_args(argv=None):
     if any(lr <= 0 for lr in args.lrs) or any(d < 1 for d in args.depths):
         p.error("--lrs must be positive and --depths at least 1")
     if args.task == "dit":  # the Frechet distance needs the classifier: say so now, not after the first training
-        from common.feature_extractors import FeatureExtractorError, resolve_weights
+        from diffusion.evaluation.features import FeatureExtractorError, resolve_weights
 
         try:
             resolve_weights("fmnist-cnn", args.feature_weights)

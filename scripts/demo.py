@@ -63,7 +63,7 @@ def demo_deit(out_dir: Path, args) -> tuple:
 
 def ensure_fmnist_classifier(args) -> None:
     """The Fashion-MNIST feature extractor for the Frechet distance: train it once if the cache lacks it."""
-    from common.feature_extractors import FeatureExtractorError, resolve_weights
+    from diffusion.evaluation.features import FeatureExtractorError, resolve_weights
     from scripts import train_fmnist_classifier
 
     try:

@@ -66,19 +66,18 @@ def diagnose_dit_run(run_dir: PathLike, max_images: Optional[int] = 256) -> Dict
     import torch
 
     from diffusion.data import PixelImages
-    from diffusion.gaussian_diffusion import GaussianDiffusion
-    from diffusion.sample import load_model
+    from diffusion.models import load_dit
 
     run_dir = Path(run_dir)
     if not (run_dir / "ema.safetensors").is_file():
         raise FileNotFoundError(f"{run_dir} is not a finished diffusion.train run (needs ema.safetensors)")
-    model, spec, _ = load_model(run_dir / "ema.safetensors")
+    model, spec, _ = load_dit(run_dir / "ema.safetensors")
     model.eval()
     test = PixelImages("test", spec.input_size, limit=max_images, hflip=False)
     x0 = torch.stack([test[i][0] for i in range(len(test))])
     labels = test.labels.clone()
     gen = torch.Generator().manual_seed(0)
-    diffusion = GaussianDiffusion(learn_sigma=spec.learn_sigma)
+    diffusion = spec.diffusion()
     t = torch.randint(0, diffusion.num_train_timesteps, (len(x0),), generator=gen)
     noise = torch.randn(x0.shape, generator=gen)
 

@@ -218,21 +218,21 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     """DiT-B/2 + an SD-VAE-sized decoder (random weights) through diffusion.sample's Sampler; FID-50K estimate."""
     from diffusers import AutoencoderKL
 
-    from diffusion.gaussian_diffusion import GaussianDiffusion
     from diffusion.models import DiT_models
-    from diffusion.sample import Decoder, ModelSpec, Sampler
+    from diffusion.models import DiTSpec
+    from diffusion.sampling import Decoder, Sampler
 
     vae_dir = workdir / "vae"
     vae_kw = dict(SD_VAE, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=8) if tiny else SD_VAE
     AutoencoderKL(**vae_kw).save_pretrained(vae_dir)
     size = 8 if tiny else 32
     model = DiT_models["DiT-B/2"](input_size=size, **(dict(hidden_size=48, depth=2, num_heads=3) if tiny else {}))
-    spec = ModelSpec(name="DiT-B/2", input_size=size, autoencoder=str(vae_dir))
+    spec = DiTSpec.published("DiT-B/2", input_size=size, autoencoder=str(vae_dir))
     steps, measured_steps, batch = 250, 5 if tiny else 25, 4 if tiny else 125
-    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=steps)
+    diffusion = spec.diffusion(sampling_steps=steps)
     sampler = Sampler(model.to(device).eval(), spec, Decoder(str(vae_dir), device), diffusion, device=str(device))
     # Time a shortened chain (measured_steps of the 250) and the decode separately; scale the chain to 250.
-    short = GaussianDiffusion(learn_sigma=True, sampling_steps=measured_steps)
+    short = spec.diffusion(sampling_steps=measured_steps)
     indices, labels = torch.arange(batch), torch.arange(batch) % 1000
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         sampler.diffusion = short.to(device)
@@ -259,7 +259,7 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
 def inception_seconds_per_image(workdir: Path, device, tiny: bool) -> float:
     import torchvision
 
-    from common.feature_extractors import build_feature_extractor
+    from diffusion.evaluation.features import build_feature_extractor
 
     path = workdir / "inception.pth"
     model = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from common.checkpoint import save_weights
 from common.cli import InputError, one_line_errors
 from common.data import load_fashion_mnist
-from common.feature_extractors import FashionMNISTClassifier, fmnist_preprocess, fmnist_weights_path
+from diffusion.evaluation.features import FashionMNISTClassifier, fmnist_preprocess, fmnist_weights_path
 
 
 def parse_args(argv=None):

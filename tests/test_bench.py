@@ -1,4 +1,6 @@
 """The benchmark scripts run end to end (no timing assertions: speed belongs in the printed ratios)."""
+import pytest
+
 from scripts.bench_block import main
 
 TINY_DEIT = ["--batch-size", "2", "--img-size", "16", "--patch-size", "8"]
@@ -49,3 +51,41 @@ def test_bench_dit_memory_mode(capsys):
     results = bench_dit([*TINY_DIT, "--memory", "--topologies", "pre,siamese"])["DiT-S/8"]
     assert results["siamese"]["float32 eager"] > results["pre"]["float32 eager"] > 0
     assert "float32 eager MB" in capsys.readouterr().out
+
+
+def test_bench_sampling_prints_before_and_after_side_by_side(capsys):
+    from scripts.bench_sampling import main as bench_sampling
+
+    result = bench_sampling(["--batch", "3", "--shape", "1,8,8", "--steps", "5", "--chain-steps", "2", "--repeat", "1"])
+    for part in ("seeds_us_per_sample", "noise_ms_per_chunk", "chain_ms_per_chunk"):
+        assert set(result[part]) == {"before", "after", "ratio"} and result[part]["ratio"] > 0
+    out = capsys.readouterr().out
+    assert "before" in out and "after" in out and "ratio" in out
+
+
+@pytest.mark.fashion_mnist
+def test_bench_bf16_fid_scores_both_precisions_on_the_same_noise(tmp_path):
+    import torch
+
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from diffusion.models import DiTSpec
+    from scripts.bench_bf16_fid import main as bench_bf16
+
+    torch.manual_seed(0)
+    weights = save_weights(FashionMNISTClassifier(), tmp_path / "fmnist_cnn.safetensors")
+    spec = DiTSpec.published("DiT-S/4", input_size=32, in_channels=1, num_classes=10, autoencoder="none",
+                             kwargs={"hidden_size": 32, "depth": 1, "num_heads": 2})
+    model = spec.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata())
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        result = bench_bf16(["--checkpoint", str(ckpt), "--feature-weights", str(weights), "--samples", "12",
+                             "--steps", "2", "--batch-size", "6", "--seeds", "0", "1"])
+    rows = result["seeds"]
+    assert [r["seed"] for r in rows] == [0, 1] and all(r["mean_abs_pixel"] > 0 for r in rows)
+    assert rows[0]["difference"] == pytest.approx(rows[0]["fid_bf16"] - rows[0]["fid_fp32"])
+    assert result["summary"]["fp32_seed_std"] > 0

@@ -115,7 +115,7 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     import torch
 
     from common.checkpoint import save_weights
-    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.evaluation.features import FashionMNISTClassifier
 
     torch.manual_seed(0)
     weights = tmp_path / "fmnist_cnn.safetensors"

@@ -124,3 +124,30 @@ def test_help_lists_every_setting_with_default_and_meaning_and_print_config_reso
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["optim"]["epochs"] == 3 and printed["optim"]["batch_size"] == 1024  # recipe, base, override
     assert printed["augment"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and printed["data"]["path"] == "/data/imagenet"
+
+
+def test_a_dit_config_without_its_recipe_names_the_missing_key_and_the_recipe(tmp_path, capsys):
+    """The recipe numbers live in configs/dit_recipe.yaml alone: without it nothing trains on code defaults."""
+    from diffusion.train import TrainConfig
+
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, None, ["model.name=DiT-S/4"])
+    message = str(err.value)
+    assert "\n" not in message and "model.topology is required and not set" in message
+    assert "configs/dit_recipe.yaml" in message and "base: dit_recipe.yaml" in message
+    own = write(tmp_path / "mine.yaml", {"model": {"name": "DiT-S/4", "topology": "pre", "learn_sigma": True,
+                                                   "class_dropout_prob": 0.1}})
+    with pytest.raises(ConfigError, match=r"^data.dataset is required and not set .*configs/dit_recipe.yaml sets it.* \(from .*mine.yaml"):
+        load_config(TrainConfig, own)
+    write(tmp_path / "dit_recipe.yaml", yaml.safe_load(open("configs/dit_recipe.yaml")))
+    based = write(tmp_path / "based.yaml", {"base": "dit_recipe.yaml", "model": {"name": "DiT-S/4", "topology": "pre"},
+                                            "data": {"path": "/latents"}})
+    cfg = load_config(TrainConfig, based)
+    assert (cfg.optim.lr, cfg.optim.batch_size, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob) == \
+        (1e-4, 256, 1000, 0.1)
+    from diffusion.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(own)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "data.dataset is required and not set" in err[0]

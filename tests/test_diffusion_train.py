@@ -1,4 +1,5 @@
 """The DiT trainer end to end on tiny pixel-space Fashion-MNIST runs (CPU)."""
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.config import load_config
+from common.data import FASHION_MNIST_CLASSES
 from common.logging import NonFiniteLossError, read_metrics
 from common.train_state import CheckpointManager
 from diffusion.train import TrainConfig, main, train
@@ -72,6 +74,9 @@ def test_short_run_loss_decreases_and_writes_outputs(tmp_path, topology):
     with safe_open(str(tmp_path / "ema.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["topology"] == topology and meta["in_channels"] == "1" and meta["input_size"] == "32"
+    # the schedule it was trained with and its class names, for the sampler and the grids
+    assert (meta["num_timesteps"], meta["beta_start"], meta["beta_end"]) == ("1000", "0.0001", "0.02")
+    assert json.loads(meta["class_names"]) == list(FASHION_MNIST_CLASSES)
 
 
 def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
@@ -157,7 +162,7 @@ def test_imagenet_recipes_state_method_section_4(name, topology, model):
 def test_in_training_fid_equals_sample_then_fid_of_the_saved_ema(tmp_path):
     """fid/fd logged at steps 2 and 3 (the end); at step 3 it is diffusion.sample + diffusion.fid of ema.safetensors."""
     from common.checkpoint import save_weights
-    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.evaluation.features import FashionMNISTClassifier
     from diffusion.fid import sample_and_score
 
     torch.manual_seed(0)
@@ -174,6 +179,29 @@ def test_in_training_fid_equals_sample_then_fid_of_the_saved_ema(tmp_path):
         direct = sample_and_score(tmp_path / "run" / "ema.safetensors", tmp_path / "direct", num_samples=16, steps=3,
                                   extractor_weights=weights, seed=5)
     assert direct["metrics"]["fid"] == logged[1]["fid/fd"]
+
+
+def test_in_training_fid_in_bf16_equals_sample_in_bf16_then_fid(tmp_path):
+    """train.fid_precision=bf16 is diffusion.sample --precision bf16: the same number, and another than fp32's."""
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
+    fid = ["train.fid_every=2", "train.fid_samples=16", "train.fid_steps=3", "train.fid_reference=fashion-mnist:test",
+           "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={weights}", "train.fid_precision=bf16"]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        train(config(tmp_path / "run", *SMALL, "optim.steps=2", "train.seed=5", *fid))
+    (logged,) = [r for r in read_metrics(tmp_path / "run") if "fid/fd" in r]
+    scores = {}
+    for precision in ("bf16", "fp32"):
+        with pytest.warns(UserWarning, match="covariance is singular"):
+            scores[precision] = sample_and_score(tmp_path / "run" / "ema.safetensors", tmp_path / precision,
+                                                 num_samples=16, steps=3, extractor_weights=weights, seed=5,
+                                                 extra_sample_args=["--precision", precision])["metrics"]["fid"]
+    assert logged["fid/fd"] == scores["bf16"] != scores["fp32"]
 
 
 def test_in_training_fid_config_errors(tmp_path, capsys):
@@ -194,7 +222,7 @@ def test_in_training_fid_sampled_by_two_processes_equals_sample_then_fid(tmp_pat
     """Every process samples its share (chunks k, k + 2, ...) and the main one scores the gathered features: the
     same number as diffusion.sample + diffusion.fid on the run's EMA, up to the batching of the feature pass."""
     from common.checkpoint import save_weights
-    from common.feature_extractors import FashionMNISTClassifier
+    from diffusion.evaluation.features import FashionMNISTClassifier
     from diffusion.fid import sample_and_score
 
     torch.manual_seed(0)

@@ -16,10 +16,11 @@ import torch
 import torch_fidelity
 from PIL import Image
 
-import common.metrics as metrics
-from common.feature_extractors import (INCEPTION_WEIGHTS_FILE, InceptionV3WithSpatial, build_feature_extractor,
+import diffusion.evaluation.evaluator as metrics
+from diffusion.evaluation.features import (INCEPTION_WEIGHTS_FILE, InceptionV3WithSpatial, build_feature_extractor,
                                        write_random_inception)
-from common.metrics import FeatureStatistics, read_sampling_protocol
+from diffusion.evaluation.images import read_sampling_protocol
+from diffusion.evaluation.metrics import FeatureStatistics
 from diffusion import fid as fid_cli
 from tests.test_metrics import adm_float16_distances, adm_inception_score, brute_force_precision_recall
 

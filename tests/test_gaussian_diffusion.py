@@ -7,6 +7,7 @@ import torch
 from scipy.stats import norm
 
 from diffusion.gaussian_diffusion import (
+    DIT_SCHEDULE,
     GaussianDiffusion,
     discretized_gaussian_log_likelihood,
     normal_kl,
@@ -14,6 +15,11 @@ from diffusion.gaussian_diffusion import (
 )
 
 T = 1000
+
+
+def dit_diffusion(learn_sigma=True, **options):
+    """DiT's diffusion: its schedule (1000 linear steps, 1e-4..0.02), learned sigma unless told otherwise."""
+    return GaussianDiffusion(**DIT_SCHEDULE, learn_sigma=learn_sigma, **options)
 
 
 def np_schedule():
@@ -29,7 +35,7 @@ def fixed_tensors(seed=0, shape=(4, 2, 3, 3)):
 
 
 def test_schedule_is_linear_1000_steps():
-    d = GaussianDiffusion()
+    d = dit_diffusion()
     betas, abar = np_schedule()
     assert d.num_timesteps == T
     np.testing.assert_allclose(d.betas.numpy(), betas, rtol=1e-5, atol=1e-9)
@@ -37,7 +43,7 @@ def test_schedule_is_linear_1000_steps():
 
 
 def test_q_sample_matches_direct_formula():
-    d = GaussianDiffusion()
+    d = dit_diffusion()
     _, abar = np_schedule()
     x0, noise = fixed_tensors()
     t = torch.tensor([0, 10, 500, 999])
@@ -49,7 +55,7 @@ def test_q_sample_matches_direct_formula():
 
 def test_posterior_matches_bayes_rule():
     """q(x_{t-1}|x_t,x_0) ∝ N(x_{t-1}; sqrt(abar_{t-1}) x0, 1-abar_{t-1}) · N(x_t; sqrt(alpha_t) x_{t-1}, beta_t)."""
-    d = GaussianDiffusion()
+    d = dit_diffusion()
     betas, abar = np_schedule()
     x0, xt = fixed_tensors(1)
     t = torch.tensor([1, 2, 300, 999])
@@ -99,7 +105,7 @@ def test_discretized_gaussian_log_likelihood_closed_form_and_normalised():
 
 def test_vb_terms_match_closed_form():
     """Learned-range variance, KL at t>0 and decoder NLL at t=0, in bits/dim, from scipy/numpy."""
-    d = GaussianDiffusion(learn_sigma=True)
+    d = dit_diffusion(learn_sigma=True)
     betas, abar = np_schedule()
     x0, noise = fixed_tensors(3)
     g = torch.Generator().manual_seed(4)
@@ -138,7 +144,7 @@ def test_training_losses_stop_gradient_and_plain_mse():
     torch.manual_seed(0)
     x0, noise = (a.float() for a in fixed_tensors(5))
     t = torch.tensor([0, 3, 400, 999])
-    d = GaussianDiffusion(learn_sigma=True)
+    d = dit_diffusion(learn_sigma=True)
     out = torch.randn(4, 4, 3, 3, requires_grad=True)
     losses = d.training_losses(lambda x, ts: out, x0, t, noise)
     torch.testing.assert_close(losses["mse"], ((noise - out[:, :2]) ** 2).mean((1, 2, 3)))
@@ -149,7 +155,7 @@ def test_training_losses_stop_gradient_and_plain_mse():
     (g_mse,) = torch.autograd.grad(losses["mse"].sum(), out)
     assert torch.all(g_mse[:, 2:] == 0)
 
-    plain = GaussianDiffusion(learn_sigma=False)
+    plain = dit_diffusion(learn_sigma=False)
     seen = {}
 
     def model(x, ts):
@@ -165,20 +171,20 @@ def test_training_losses_stop_gradient_and_plain_mse():
 
 
 def test_respacing_matches_adm_spacing_and_original_chain():
-    d = GaussianDiffusion(sampling_steps=250)
+    d = dit_diffusion(sampling_steps=250)
     stride, kept, cur = 999 / 249, [], 0.0
     for _ in range(250):
         kept.append(round(cur))
         cur += stride
     assert d.timestep_map.tolist() == kept
-    full = GaussianDiffusion()
+    full = dit_diffusion()
     torch.testing.assert_close(d.alphas_cumprod, full.alphas_cumprod[d.timestep_map])
     # q_sample at respaced index i is q_sample at training step timestep_map[i].
     x0, noise = (a.float() for a in fixed_tensors(6))
     i = torch.tensor([0, 1, 100, 249])
     torch.testing.assert_close(d.q_sample(x0, i, noise), full.q_sample(x0, d.timestep_map[i], noise))
     # Respacing to all steps changes nothing.
-    same = GaussianDiffusion(sampling_steps=T)
+    same = dit_diffusion(sampling_steps=T)
     torch.testing.assert_close(same.posterior_mean_coef1, full.posterior_mean_coef1)
 
 
@@ -235,35 +241,35 @@ def test_respacing_rules_equal_adm_space_timesteps_for_every_count():
 
 
 def test_sampling_steps_and_spacing_select_the_rule():
-    even = GaussianDiffusion(sampling_steps=50)
-    ddim = GaussianDiffusion(sampling_steps=50, spacing="ddim")
+    even = dit_diffusion(sampling_steps=50)
+    ddim = dit_diffusion(sampling_steps=50, spacing="ddim")
     assert (even.respacing, ddim.respacing) == ("50", "ddim50")
     assert ddim.timestep_map.tolist() == list(range(0, 1000, 20)) and ddim.num_timesteps == 50
     assert even.timestep_map.tolist() == sorted(adm_space_timesteps(1000, "50"))
     # the DDPM default is unchanged: 250 steps as round(linspace(0, 999, 250)) gave them before
-    assert GaussianDiffusion(sampling_steps=250).timestep_map.tolist() == \
+    assert dit_diffusion(sampling_steps=250).timestep_map.tolist() == \
         np.round(np.linspace(0, 999, 250)).astype(int).tolist()
-    sections = GaussianDiffusion(sampling_steps="10,15,20")
+    sections = dit_diffusion(sampling_steps="10,15,20")
     assert sections.timestep_map.tolist() == sorted(adm_space_timesteps(1000, "10,15,20"))
-    assert sections.num_timesteps == 45 and GaussianDiffusion(sampling_steps="ddim25").respacing == "ddim25"
+    assert sections.num_timesteps == 45 and dit_diffusion(sampling_steps="ddim25").respacing == "ddim25"
     # the respaced chain keeps abar at the kept steps, so betas telescope back to the training schedule's
-    full = GaussianDiffusion()
+    full = dit_diffusion()
     torch.testing.assert_close(ddim.alphas_cumprod, full.alphas_cumprod[ddim.timestep_map])
     torch.testing.assert_close(torch.cumprod(1 - ddim.betas, 0), ddim.alphas_cumprod)
-    assert GaussianDiffusion(sampling_steps=T, spacing="ddim").timestep_map.tolist() == list(range(T))
+    assert dit_diffusion(sampling_steps=T, spacing="ddim").timestep_map.tolist() == list(range(T))
     with pytest.raises(ValueError, match="use 250 or 334 steps"):
-        GaussianDiffusion(sampling_steps=300, spacing="ddim")
+        dit_diffusion(sampling_steps=300, spacing="ddim")
     with pytest.raises(ValueError, match="choose one of even, ddim"):
-        GaussianDiffusion(sampling_steps=50, spacing="linspace")
+        dit_diffusion(sampling_steps=50, spacing="linspace")
     with pytest.raises(ValueError, match=r"must lie in \[1, 1000\]"):
-        GaussianDiffusion(sampling_steps=0)
+        dit_diffusion(sampling_steps=0)
     with pytest.raises(ValueError, match="ddim must be followed|'ddim' must be followed"):
-        GaussianDiffusion(sampling_steps="ddimx")
+        dit_diffusion(sampling_steps="ddimx")
 
 
 def test_p_sample_with_true_noise_recovers_posterior():
     """If the network predicts the true noise and v=-1, the reverse step is the true posterior."""
-    d = GaussianDiffusion(sampling_steps=50)
+    d = dit_diffusion(sampling_steps=50)
     x0, noise = fixed_tensors(7)
     step_noise = fixed_tensors(8)[1]
     t = torch.tensor([0, 1, 25, 49])
@@ -284,8 +290,8 @@ def test_ancestral_chain_with_exact_denoiser_reproduces_gaussian_data(learn_sigm
     ancestral sampling with it (respaced to 250 steps; variance beta_t, or the posterior's via v=-1) must
     give back std ~= s (a wrong timestep map gives ~1.9 s)."""
     s = 0.5
-    d = GaussianDiffusion(learn_sigma=learn_sigma, sampling_steps=250)
-    abar_train = GaussianDiffusion().alphas_cumprod.float()
+    d = dit_diffusion(learn_sigma=learn_sigma, sampling_steps=250)
+    abar_train = dit_diffusion().alphas_cumprod.float()
 
     def exact_eps(x, model_t):
         a = abar_train[model_t].reshape(-1, 1)

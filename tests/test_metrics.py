@@ -1,4 +1,4 @@
-"""Frechet distance, statistics files, image sources and their input checks (common/metrics.py)."""
+"""Frechet distance, statistics files, image sources and their input checks (diffusion/evaluation/)."""
 import numpy as np
 import pytest
 import scipy.linalg
@@ -8,24 +8,14 @@ from PIL import Image
 from torch_fidelity.metric_fid import fid_statistics_to_metric
 from torch_fidelity.metric_isc import isc_features_to_metric
 
-from common.feature_extractors import FashionMNISTClassifier, FeatureExtractorError, build_feature_extractor
 from common.checkpoint import save_weights
-from common.metrics import (
-    Evaluator,
-    FeatureStatistics,
-    MetricsError,
-    RunningMoments,
-    build_reference_statistics,
-    compute_metrics,
-    extract_features,
-    frechet_distance,
-    images_to_uint8,
-    inception_score,
-    open_images,
-    open_reference,
-    pairwise_distances,
-    precision_recall,
-)
+from diffusion.evaluation.evaluator import Evaluator, compute_metrics
+from diffusion.evaluation.features import (FashionMNISTClassifier, FeatureExtractorError, build_feature_extractor,
+                                           extract_features)
+from diffusion.evaluation.images import images_to_uint8, open_images
+from diffusion.evaluation.metrics import (FeatureStatistics, MetricsError, RunningMoments, frechet_distance,
+                                          inception_score, pairwise_distances, precision_recall)
+from diffusion.evaluation.reference import build_reference_statistics, open_reference
 
 
 def fixed_features(seed, n=300, d=12, shift=0.0):
@@ -367,7 +357,7 @@ def test_precision_recall_match_brute_force_knn():
 def test_reference_statistics_of_a_raw_folder_streamed_and_resumed(tmp_path, monkeypatch):
     """--save-stats on a folder of JPEG/PNG of mixed sizes with ADM's center crop: statistics equal those of the
     cropped images computed directly; a kill between shards resumes to the same file; a broken file is skipped."""
-    import common.metrics as metrics
+    import diffusion.evaluation.reference as metrics
     from common.data import center_crop_arr
 
     torch.manual_seed(0)

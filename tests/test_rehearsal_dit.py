@@ -22,7 +22,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from common.feature_extractors import write_random_inception
+from diffusion.evaluation.features import write_random_inception
 from common.logging import read_metrics
 from tests.rehearsal import ROOT, check, recipe_changes, run, write_image_folder
 

@@ -10,20 +10,11 @@ import pytest
 import torch
 
 from common.checkpoint import save_weights
-from common.metrics import open_images, read_sampling_protocol
-from diffusion.gaussian_diffusion import GaussianDiffusion
-from diffusion.models import DiT
-from diffusion.sample import (
-    draw_noise,
-    guided_model_fn,
-    load_model,
-    main,
-    model_fn_for,
-    reverse_chain,
-    sample_generator,
-    sample_loop,
-)
-from tests.test_gaussian_diffusion import adm_space_timesteps
+from diffusion.evaluation.images import open_images, read_sampling_protocol
+from diffusion.models import DiT, load_dit
+from diffusion.sample import main
+from diffusion.sampling import draw_noise, guided_model_fn, model_fn_for, reverse_chain, sample_generator, sample_loop
+from tests.test_gaussian_diffusion import adm_space_timesteps, dit_diffusion
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}
@@ -83,11 +74,11 @@ def restated_chain(model_fn, steps, indices, sampler, eta=0.0, seed=0):
 
 @pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 0.7)])
 def test_reverse_chain_matches_direct_restatement(tiny, sampler, eta):
-    model, spec, weights = load_model(tiny, {})
+    model, spec, weights = load_dit(tiny, {})
     assert (spec.name, spec.topology, spec.num_classes, weights) == ("DiT-S/4", "siamese", 5, "weights")
     labels, indices = torch.tensor([0, 3, 4]), [0, 7, 12]
     fn = model_fn_for(model, labels)
-    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=6)
+    diffusion = dit_diffusion(learn_sigma=True, sampling_steps=6)
     ours = sample_loop(fn, diffusion, [sample_generator(0, i) for i in indices], SHAPE, sampler, eta)
     direct = restated_chain(fn, 6, indices, sampler, eta)
     assert ours.abs().max() > 0.1
@@ -131,7 +122,7 @@ def adm_ddim_chain(model_fn, respacing, indices, eta, seed):
 def test_ddim_sampling_matches_adm_ddim_chain_step_for_step(tiny, tmp_path, eta):
     """``--sampler ddim --steps 10`` is ADM's ddim10 (stride 100 from 0) and every state of its chain equals ADM's
     DDIM chain; the command records the steps and writes the same final images."""
-    model, spec, _ = load_model(tiny, {})
+    model, spec, _ = load_dit(tiny, {})
     labels, indices = torch.tensor([0, 1, 2]), [0, 1, 2]
     fn = model_fn_for(model, labels)
     timestep_map, adm_states = adm_ddim_chain(fn, "ddim10", indices, eta, seed=3)
@@ -141,7 +132,7 @@ def test_ddim_sampling_matches_adm_ddim_chain_step_for_step(tiny, tmp_path, eta)
                 "--sampler", "ddim", "--steps", "10", "--eta", str(eta), "--seed", "3", "--quiet"])
     protocol = out["protocol"]
     assert (protocol["spacing"], protocol["respacing"], protocol["timesteps"]) == ("ddim", "ddim10", timestep_map)
-    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=10, spacing=protocol["spacing"])
+    diffusion = dit_diffusion(learn_sigma=True, sampling_steps=10, spacing=protocol["spacing"])
     ours = list(reverse_chain(fn, diffusion, [sample_generator(3, i) for i in indices], SHAPE, "ddim", eta))
     assert len(ours) == len(adm_states) == 11
     for step, (a, b) in enumerate(zip(ours, adm_states)):
@@ -167,7 +158,7 @@ def test_step_counts_the_spacing_cannot_give_are_refused(tiny, tmp_path):
 @pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 1.0)])
 def test_exact_denoiser_of_a_point_mass_lands_on_it(sampler, eta):
     """With the exact epsilon of data that is a single point c, every sampler must end exactly at c."""
-    diffusion = GaussianDiffusion(learn_sigma=True, sampling_steps=10)
+    diffusion = dit_diffusion(learn_sigma=True, sampling_steps=10)
     abar_train = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0)
     c = torch.linspace(-0.8, 0.8, 64, dtype=torch.float64).reshape(1, 1, 8, 8)
 
@@ -181,7 +172,7 @@ def test_exact_denoiser_of_a_point_mass_lands_on_it(sampler, eta):
 
 
 def test_guidance_at_scale_one_equals_unguided_and_guides_only_the_chosen_channels(tiny):
-    model, _, _ = load_model(tiny, {})
+    model, _, _ = load_dit(tiny, {})
     x = torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(0))
     t, labels = torch.tensor([10, 500, 999]), torch.tensor([1, 2, 3])
     plain = model(x, t, labels)
@@ -191,7 +182,7 @@ def test_guidance_at_scale_one_equals_unguided_and_guides_only_the_chosen_channe
     assert not torch.allclose(strong[:, :1], plain[:, :1], atol=1e-3)
     torch.testing.assert_close(strong[:, 1:], plain[:, 1:])  # the variance channel is not guided
     no_null = save_tiny(tiny.parent / "no_null.safetensors", class_dropout_prob=0.0)
-    model, _, _ = load_model(no_null, {})
+    model, _, _ = load_dit(no_null, {})
     with pytest.raises(Exception, match="needs a null class"):
         model_fn_for(model, labels, 1.5)
 
@@ -276,10 +267,10 @@ def test_training_checkpoints_sample_their_ema_weights(tiny, tmp_path):
                         "kwargs": TINY},
               "data": {"dataset": "fashion_mnist", "autoencoder": "none", "image_size": 8, "num_classes": 5}}
     torch.save({"model": raw, "ema": ema, "config": config, "step": 7}, tmp_path / "step_0000007.pt")
-    model, spec, weights = load_model(tmp_path / "step_0000007.pt", {})
+    model, spec, weights = load_dit(tmp_path / "step_0000007.pt", {})
     assert weights == "ema" and (spec.in_channels, spec.input_size, spec.autoencoder) == (1, 8, "none")
     assert torch.equal(model.state_dict()["final_layer.linear.weight"], ema["final_layer.linear.weight"])
-    model, _, weights = load_model(tmp_path / "step_0000007.pt", {}, weights="model")
+    model, _, weights = load_dit(tmp_path / "step_0000007.pt", {}, weights="model")
     assert weights == "model"
     assert torch.equal(model.state_dict()["final_layer.linear.weight"], raw["final_layer.linear.weight"])
 
@@ -356,7 +347,7 @@ def test_pngs_are_rewritten_atomically_and_every_output_is_fsynced(tiny, tmp_pat
 def test_grids_are_upscaled_and_labelled_with_class_names(tmp_path):
     from PIL import Image
 
-    from diffusion.sample import class_names, write_grid
+    from diffusion.sampling import class_names, write_grid
 
     assert class_names(10, pixel=True)[9] == "Ankle boot"
     assert class_names(1000)[207] == "golden retriever"
@@ -375,3 +366,127 @@ def test_grids_are_upscaled_and_labelled_with_class_names(tmp_path):
     tiles = write_grid(images, [0, 1, 2, 3, 4, 5], tmp_path / "tiles.png", class_names(10, pixel=True), nrow=3)
     with Image.open(tiles) as grid:
         assert grid.size[1] == 2 * (140 + 4 + 18) + 4  # a caption under every tile
+
+
+# ------------------------------------------------------------------------------ noise streams, bit for bit
+
+def todays_generator(seed, index):
+    """A sample's noise stream as the sampler has always seeded it: numpy's SeedSequence per sample."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, index]).generate_state(1)[0]))
+
+
+def todays_chain(model_fn, diffusion, indices, sampler, eta, seed):
+    """The reverse chain as diffusion.sample ran it: one draw per sample and step, DDIM written out as before."""
+    gens = [todays_generator(seed, i) for i in indices]
+    x = draw_noise(gens, SHAPE)
+    for i in reversed(range(diffusion.num_timesteps)):
+        t = torch.full((x.shape[0],), i, dtype=torch.long)
+        out = model_fn(x, diffusion.model_timesteps(t))
+        noise = draw_noise(gens, SHAPE)
+        if sampler == "ddpm":
+            x = diffusion.p_sample(out, x, t, noise)["sample"]
+            continue
+        eps = out[:, :1]
+        x0 = diffusion.predict_xstart_from_eps(x, t, eps)
+        abar = diffusion.alphas_cumprod[t].float().reshape(-1, 1, 1, 1)
+        abar_prev = diffusion.alphas_cumprod_prev[t].float().reshape(-1, 1, 1, 1)
+        sigma = eta * torch.sqrt((1 - abar_prev) / (1 - abar)) * torch.sqrt(1 - abar / abar_prev)
+        mean = x0 * torch.sqrt(abar_prev) + torch.sqrt(1 - abar_prev - sigma ** 2) * eps
+        x = mean + (t != 0).float().reshape(-1, 1, 1, 1) * sigma * noise
+    return x
+
+
+@pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.6)])
+def test_samples_are_bit_identical_to_the_per_step_draws(tiny, sampler, eta):
+    """Windows of noise per sample (one torch call for 32 steps) and vectorised seeds change no number."""
+    model, _, _ = load_dit(tiny, {})
+    indices = [0, 5, 9, 123456]
+    fn = model_fn_for(model, torch.tensor([0, 1, 2, 3]))
+    diffusion = dit_diffusion(sampling_steps=40, spacing="even")  # 41 draws: more than one window
+    ours = sample_loop(fn, diffusion, [sample_generator(3, i) for i in indices], SHAPE, sampler, eta)
+    assert torch.equal(ours, todays_chain(fn, diffusion, indices, sampler, eta, seed=3))
+
+
+def test_vectorised_seeds_equal_numpys_seed_sequence():
+    from diffusion.sampling import sample_seeds
+
+    rng = np.random.default_rng(0)
+    for seed in (0, 1, 2020, 2 ** 32 - 1, 2 ** 40 + 3):  # the last one: numpy's own path
+        indices = np.concatenate([np.arange(300), rng.integers(0, 2 ** 32, 300), [2 ** 33]])
+        expected = [np.random.SeedSequence([seed, int(i)]).generate_state(1)[0] for i in indices]
+        assert sample_seeds(seed, indices).tolist() == [int(e) for e in expected]
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 5, 5), (2, 3)])
+def test_chain_noise_equals_one_draw_per_step(shape):
+    from diffusion.sampling import chain_noise
+
+    gens, again = ([torch.Generator().manual_seed(s) for s in (4, 8)] for _ in range(2))
+    windows = list(chain_noise(gens, shape, 70, "cpu"))
+    assert len(windows) == 70
+    for drawn in windows:
+        assert torch.equal(drawn, draw_noise(again, shape))
+
+
+# ------------------------------------------------------------------------------ what the weights record
+
+def save_with(source, path, **meta):
+    """A copy of a checkpoint with more (or other) metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(source), "pt") as f:
+        save_file(load_file(source), str(path), metadata={**f.metadata(), **meta})
+    return path
+
+
+def test_the_sampler_uses_the_schedule_the_weights_record(tiny, tmp_path):
+    from diffusion.gaussian_diffusion import GaussianDiffusion
+
+    ckpt = save_with(tiny, tmp_path / "short.safetensors", num_timesteps="200", beta_start="0.0005", beta_end="0.03")
+    out = main(sample_args(ckpt, tmp_path / "short"))
+    assert out["protocol"]["timesteps"] == sorted(adm_space_timesteps(200, "4"))
+    assert out["protocol"]["model"]["num_timesteps"] == 200 and out["protocol"]["model"]["beta_end"] == 0.03
+    model, spec, _ = load_dit(ckpt)
+    labels = torch.arange(10) % 5
+    direct = sample_loop(model_fn_for(model, labels[:4]), GaussianDiffusion(200, 5e-4, 0.03, learn_sigma=True,
+                                                                            sampling_steps=4),
+                         [sample_generator(3, i) for i in range(4)], SHAPE)
+    images = np.load(tmp_path / "short" / "samples.npz")["arr_0"][:4]
+    expected = np.clip(np.round((direct.clamp(-1, 1).numpy() + 1) * 127.5), 0, 255).transpose(0, 2, 3, 1)
+    assert np.abs(images - expected).max() <= 1
+    # a file without a schedule (older ones, the official DiT weights) samples with DiT's
+    old = main(sample_args(tiny, tmp_path / "old"))
+    assert old["protocol"]["timesteps"][-1] == 999 and old["protocol"]["model"]["num_timesteps"] == 1000
+
+
+def test_grids_name_the_classes_the_weights_record(tiny, tmp_path):
+    """WordNet ids in the metadata become ImageNet's names on the grid; ids ImageNet-1k does not know stay."""
+    from PIL import Image
+
+    from diffusion.sampling import class_names, write_grid
+
+    wnids = ["n01440764", "n02099601", "n99999999", "n01443537", "n01484850"]
+    ckpt = save_with(tiny, tmp_path / "named.safetensors", class_names=json.dumps(wnids))
+    main(["--checkpoint", str(ckpt), "--grid", str(tmp_path / "grid.png"), "--labels", "0,1,2,3,4", "--nrow", "5",
+          "--steps", "3", "--seed", "2", "--quiet"])
+    main(["--checkpoint", str(ckpt), "--num-samples", "5", "--out-dir", str(tmp_path / "s"), "--steps", "3",
+          "--seed", "2", "--quiet"])
+    images = torch.from_numpy(np.load(tmp_path / "s" / "samples.npz")["arr_0"]).permute(0, 3, 1, 2)
+    names = class_names(5, names=wnids)
+    assert names == ["tench", "golden retriever", "n99999999", "goldfish", "great white shark"]
+    write_grid(images, [0, 1, 2, 3, 4], tmp_path / "expected.png", names, nrow=5)
+    write_grid(images, [0, 1, 2, 3, 4], tmp_path / "numbers.png", class_names(5), nrow=5)
+    pixels = {n: np.asarray(Image.open(tmp_path / f"{n}.png")) for n in ("grid", "expected", "numbers")}
+    assert np.array_equal(pixels["grid"], pixels["expected"]) and not np.array_equal(pixels["grid"], pixels["numbers"])
+
+
+def test_bf16_sampling_is_a_recorded_switch(tiny, tmp_path):
+    fp32 = main(sample_args(tiny, tmp_path / "fp32"))
+    bf16 = main(sample_args(tiny, tmp_path / "bf16", "--precision", "bf16"))
+    assert (fp32["protocol"]["precision"], bf16["protocol"]["precision"]) == ("fp32", "bf16")
+    a = np.load(tmp_path / "fp32" / "samples.npz")["arr_0"].astype(int)
+    b = np.load(tmp_path / "bf16" / "samples.npz")["arr_0"].astype(int)
+    assert 0 < np.abs(a - b).mean() < 1  # bfloat16 matmuls move a few pixels; the chain stays in float32
+    with pytest.raises(SystemExit, match="other settings.*precision"):
+        main(sample_args(tiny, tmp_path / "fp32", "--precision", "bf16"))

@@ -1,4 +1,5 @@
-"""Feature extractors for FID/IS/KID, all reached through torch-fidelity's registry.
+"""Feature extractors for FID/IS/KID, all reached through torch-fidelity's registry, and the feature pass over an
+image set (:func:`extract_features`).
 
 * ``inception-v3-compat``: torch-fidelity's port of the TensorFlow Inception-v3 that ADM's evaluator (and so
   every published DiT FID) uses. Its weights come from a file the user gives, or from torch-fidelity's download
@@ -20,17 +21,20 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase
 from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
 from common.checkpoint import CheckpointError, load_weights
 from common.cli import InputError
+from diffusion.evaluation.images import ImageSet
+from diffusion.evaluation.metrics import MetricsError
 
 INCEPTION = "inception-v3-compat"
 FMNIST = "fmnist-cnn"
@@ -315,3 +319,55 @@ def build_feature_extractor(name: str, layers: Sequence[str], weights: Optional[
     extractor.weights_path = None if path is None else str(path)
     extractor.weights_sha256 = None if path is None else file_sha256(path)
     return extractor.to(device)
+
+
+# ----------------------------------------------------------------------------- the feature pass
+
+POOL, SPATIAL, LOGITS = "pool", "spatial", "logits"  # what each metric reads: Evaluator.features() keys
+
+
+def extractor_layers(feature_extractor: str, feature_layer: Optional[str], roles: Sequence[str]) -> Dict[str, str]:
+    """``{role: layer}`` for the roles the extractor provides (``feature_layer`` overrides the pool layer)."""
+    provided = registered_class(feature_extractor).get_provided_features_list()
+    if feature_layer is not None and feature_layer not in provided:
+        raise MetricsError(f"{feature_extractor} has no layer {feature_layer!r}; it provides {list(provided)}")
+    defaults = {POOL: feature_layer or default_layer(feature_extractor, "fid"),
+                SPATIAL: default_layer(feature_extractor, "sfid"), LOGITS: default_layer(feature_extractor, "isc")}
+    return {role: defaults[role] for role in roles if defaults[role] in provided}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@torch.no_grad()
+def feature_batches(images: ImageSet, extractor, batch_size: int = 50, num_workers: int = 0, start: int = 0,
+                    stop: Optional[int] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]:
+    """``(positions, uint8 images, {layer: float32 features on the CPU})`` per batch of a torch-fidelity extractor.
+
+    Grey images are repeated to RGB (torch-fidelity's extractors take RGB; ``fmnist-cnn`` averages them back).
+    """
+    device = next(extractor.parameters()).device
+    for positions, batch in images.indexed_batches(batch_size, num_workers, start, stop):
+        rgb = batch.expand(-1, 3, -1, -1) if batch.shape[1] == 1 else batch
+        outputs = extractor(rgb.to(device))
+        yield positions, batch, {name: f.float().cpu() for name, f in zip(extractor.features_list, outputs)}
+
+
+def extract_features(images: ImageSet, extractor, batch_size: int = 50, num_workers: int = 0,
+                     progress: bool = False) -> Dict[str, torch.Tensor]:
+    """All images' features, ``{layer: float32 [N, D]}`` on the CPU, one pass of :func:`feature_batches`."""
+    out: Dict[str, List[torch.Tensor]] = {name: [] for name in extractor.features_list}
+    seen, skipped_before = 0, len(images.skipped)
+    bar = tqdm(total=len(images), unit="img", desc=f"features {images.source}", disable=not progress, leave=False)
+    for _, batch, features in feature_batches(images, extractor, batch_size, num_workers):
+        for name, f in features.items():
+            out[name].append(f)
+        seen += len(batch)
+        bar.update(len(batch))
+    bar.close()
+    if seen + len(images.skipped) - skipped_before != len(images):
+        raise MetricsError(f"{images.source}: read {seen} images, expected {len(images)}")
+    if seen == 0:
+        raise MetricsError(f"{images.source}: no readable images")
+    return {name: torch.cat(chunks) for name, chunks in out.items()}

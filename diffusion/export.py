@@ -1,0 +1,84 @@
+"""Share a DiT the Hugging Face way: a ``save_pretrained`` folder, or a diffusers pipeline folder.
+
+    # any topology: config.json (the model's description) + diffusion_pytorch_model.safetensors; DiTModel.from_pretrained
+    python -m diffusion.export --checkpoint runs/dit_b2_siamese/ema.safetensors --out dit_b2_siamese --format hub
+    # a diffusers pipeline (model_index.json, transformer/, scheduler/, vae/): DiTSamplingPipeline.from_pretrained;
+    # a Pre-Norm DiT becomes diffusers' own DiTTransformer2DModel
+    python -m diffusion.export --checkpoint runs/dit_b2_pre/ema.safetensors --out dit_b2_pre --format diffusers
+    # and upload it (needs network access and `hf auth login`)
+    python -m diffusion.export --checkpoint ... --out DIR --format hub --push-to-hub user/dit_b2_siamese
+
+Checkpoints are read as ``diffusion.sample`` reads them (the same ``--model``/``--image-size``/``--vae`` overrides for
+plain state dicts). The diffusers format carries the VAE the model decodes with (checked against the one its latents
+were encoded with); pixel-space models have none. What the folders hold and how to load them: docs/models.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from common.cli import one_line_errors
+from diffusion.models import DiT_models, load_dit
+from diffusion.sampling import Decoder, SamplingError
+
+FORMATS = ("hub", "diffusers")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m diffusion.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="ema.safetensors / step_*.pt of diffusion.train, or a state dict")
+    p.add_argument("--out", required=True, type=Path, help="folder to write")
+    p.add_argument("--format", choices=FORMATS, default="hub",
+                   help="hub: DiTModel.save_pretrained (any topology); diffusers: a DiTSamplingPipeline folder")
+    p.add_argument("--weights", default=None, help="entry of a training checkpoint to export (default: ema)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload the folder to this Hub repository")
+    m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
+    m.add_argument("--model", default=None, help=f"one of {', '.join(DiT_models)}")
+    m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
+    m.add_argument("--num-classes", type=int, default=None)
+    m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
+    p.add_argument("--quiet", action="store_true", help="no JSON summary on stdout")
+    return p.parse_args(argv)
+
+
+def export(args) -> dict:
+    overrides = {"name": args.model, "image_size": args.image_size, "num_classes": args.num_classes,
+                 "autoencoder": args.vae}
+    model, spec, weights = load_dit(args.checkpoint, overrides, args.weights)
+    if args.out.exists() and any(args.out.iterdir()):
+        raise SamplingError(f"--out {args.out} is not empty; export into a new folder")
+    if args.format == "hub":
+        from diffusion.hub import DiTModel
+
+        shared = DiTModel.from_dit(model, spec)
+    else:
+        from diffusion.pipeline import DiTSamplingPipeline
+
+        vae = Decoder(spec.autoencoder, "cpu", expect=vars(spec)).vae  # the VAE the latents were made with
+        shared = DiTSamplingPipeline.from_dit(model, spec, vae)
+    shared.save_pretrained(args.out)
+    result = {"out": str(args.out), "format": args.format, "checkpoint": str(args.checkpoint), "weights": weights,
+              "model": spec.name, "topology": spec.topology}
+    if args.push_to_hub:
+        try:
+            shared.push_to_hub(args.push_to_hub)
+        except Exception as err:  # noqa: BLE001 - offline, no token, no rights: the folder is written either way
+            raise SamplingError(f"--push-to-hub {args.push_to_hub}: {type(err).__name__}: {str(err).splitlines()[0]} "
+                                f"(the folder {args.out} is written; upload it later with `hf upload`)") from None
+        result["pushed_to"] = args.push_to_hub
+    return result
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    with one_line_errors(SamplingError):
+        result = export(args)
+    if not args.quiet:
+        print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""DiT sampling as a diffusers pipeline that keeps the learned variance.
+
+diffusers' ``DiTPipeline`` splits the learned-variance channels off and steps a scheduler with its own fixed
+variance; this pipeline steps with the variance the model learned, on ADM's respaced timesteps, exactly as
+``python -m diffusion.sample`` does (:func:`diffusion.sampling.sample_loop`), for diffusers' ``DiTTransformer2DModel``
+(a Pre-Norm DiT, :func:`diffusion.hub.to_diffusers_transformer`) and for our :class:`~diffusion.hub.DiTModel` (any
+topology).
+
+    pipe = DiTSamplingPipeline.from_pretrained("exported")           # python -m diffusion.export --format diffusers
+    images = pipe([207, 360], num_inference_steps=250, generator=sample_generators(0, [0, 1])).images
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTransformer2DModel, ImagePipelineOutput
+
+from diffusion.gaussian_diffusion import GaussianDiffusion
+from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
+from diffusion.models import DiT, DiTSpec, guide
+from diffusion.sampling import SAMPLERS, SamplingError, guided_fn, model_fn_for, sample_generators, sample_loop
+
+
+def scheduler_for(spec: DiTSpec) -> DDPMScheduler:
+    """The model's training schedule as a diffusers scheduler config (its variance type says what the model learned)."""
+    return DDPMScheduler(num_train_timesteps=spec.num_timesteps, beta_start=spec.beta_start, beta_end=spec.beta_end,
+                         beta_schedule="linear", variance_type="learned_range" if spec.learn_sigma else "fixed_large",
+                         prediction_type="epsilon", clip_sample=False)
+
+
+class DiTSamplingPipeline(DiffusionPipeline):
+    """A class-conditional DiT, its schedule (a ``DDPMScheduler`` config) and its VAE (None: pixel space)."""
+
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["vae"]
+
+    def __init__(self, transformer: Union[DiTTransformer2DModel, DiTModel], scheduler: DDPMScheduler,
+                 vae: Optional[AutoencoderKL] = None):
+        super().__init__()
+        if isinstance(transformer, DiTTransformer2DModel):
+            exact_timesteps(transformer)
+        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
+
+    @classmethod
+    def from_dit(cls, model: DiT, spec: DiTSpec, vae: Optional[AutoencoderKL] = None) -> "DiTSamplingPipeline":
+        """A Pre-Norm DiT as diffusers' own ``DiTTransformer2DModel``, any other topology as :class:`DiTModel`."""
+        transformer = to_diffusers_transformer(model) if spec.topology == "pre" else DiTModel.from_dit(model, spec)
+        return cls(transformer, scheduler_for(spec), vae)
+
+    def diffusion(self, steps: int, spacing: str) -> GaussianDiffusion:
+        config, transformer = self.scheduler.config, self.transformer.config
+        learn_sigma = transformer.out_channels == 2 * transformer.in_channels if isinstance(
+            self.transformer, DiTTransformer2DModel) else transformer.learn_sigma
+        return GaussianDiffusion(config.num_train_timesteps, config.beta_start, config.beta_end, learn_sigma=learn_sigma,
+                                 sampling_steps=steps, spacing=spacing).to(self._execution_device)
+
+    def model_fn(self, labels: torch.Tensor, guidance_scale: float, guided_channels):
+        """``(x_t, timesteps) -> output`` of the transformer for ``labels``, guided when ``guidance_scale != 1``."""
+        if isinstance(self.transformer, DiT):
+            return model_fn_for(self.transformer, labels, guidance_scale, str(guided_channels))
+
+        def forward(x, t, y):
+            return self.transformer(x, timestep=t, class_labels=y).sample
+
+        if guidance_scale == 1.0:
+            return lambda x, t: forward(x, t, labels)
+        channels = self.transformer.config.in_channels if guided_channels == "all" else int(guided_channels)
+        return guided_fn(lambda x, t, y: guide(forward(x, t, y), guidance_scale, channels), labels,
+                         self.transformer.config.num_embeds_ada_norm)
+
+    @torch.no_grad()
+    def __call__(self, class_labels: Sequence[int], num_inference_steps: int = 250, guidance_scale: float = 1.0,
+                 guided_channels: Union[int, str] = 3, generator: Union[torch.Generator, List[torch.Generator], None] = None,
+                 sampler: str = "ddpm", eta: float = 0.0, output_type: str = "pil", return_dict: bool = True):
+        """Sample one image per class label.
+
+        ``generator``: one CPU generator per sample (``sample_generators(seed, indices)`` gives the samples
+        ``python -m diffusion.sample --seed seed`` makes at those indices), or one generator (or None: torch's global
+        one) that seeds them. ``sampler``: ``ddpm`` (ADM's evenly respaced steps, the learned variance) or ``ddim``
+        (ADM's ddimN steps, noise ``eta``). ``output_type``: ``pil``, ``np`` or ``pt`` (images in [0, 1]), or
+        ``latent`` (the denoised latents).
+        """
+        if sampler not in SAMPLERS:
+            raise SamplingError(f"sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        device = self._execution_device
+        labels = torch.as_tensor(list(class_labels), dtype=torch.long)
+        if isinstance(generator, list):
+            if len(generator) != len(labels):
+                raise SamplingError(f"{len(generator)} generators for {len(labels)} class labels: pass one per sample")
+            generators = generator
+        else:
+            seed = int(torch.randint(2 ** 32, (1,), generator=generator))
+            generators = sample_generators(seed, range(len(labels)))
+        config = self.transformer.config
+        channels, size = config.in_channels, getattr(config, "sample_size", None) or config.input_size
+        diffusion = self.diffusion(num_inference_steps, "ddim" if sampler == "ddim" else "even")
+        fn = self.model_fn(labels.to(device), guidance_scale, guided_channels)
+        latents = sample_loop(fn, diffusion, generators, (channels, size, size), sampler, eta, device)
+        if output_type == "latent":
+            images = latents
+        else:
+            decoded = latents if self.vae is None else self.vae.decode(latents / self.vae.config.scaling_factor).sample
+            images = (decoded.float() / 2 + 0.5).clamp(0, 1)
+            if output_type != "pt":
+                images = images.cpu().permute(0, 2, 3, 1).numpy()
+                if output_type == "pil":
+                    images = self.numpy_to_pil(images)
+        self.maybe_free_model_hooks()
+        return ImagePipelineOutput(images=images) if return_dict else (images,)

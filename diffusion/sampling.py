@@ -1,0 +1,488 @@
+"""Sampling a DiT: per-sample noise streams, the reverse chain, guidance, the decoder, chunked sample sets with
+resume, and readable grids. ``python -m diffusion.sample`` is the command line over this module; the trainer's grids
+and in-training FID use the same :class:`Sampler`.
+
+    model, spec, _ = load_dit("ema.safetensors")
+    sampler = Sampler(model, spec, Decoder(spec.autoencoder, "cuda"), spec.diffusion(sampling_steps=250), device="cuda")
+    images = sampler(torch.arange(8), torch.tensor([207, 360, 387, 974, 88, 979, 417, 279]))   # uint8 (8, 3, 256, 256)
+
+Sample ``i`` draws its x_T and every step's noise from its own stream, seeded by ``(seed, i)`` (numpy's
+``SeedSequence``): a sample is the same whatever batch, chunk or process it is drawn in.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from common.checkpoint import weights_fingerprint
+from common.cli import InputError
+from common.durable import atomic_savez, atomic_write, atomic_write_text
+from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, images_to_uint8
+from diffusion.gaussian_diffusion import GaussianDiffusion
+from diffusion.latents import load_vae
+from diffusion.models import DiT, DiTSpec
+
+Tensor = torch.Tensor
+SAMPLERS = ("ddpm", "ddim")
+PRECISIONS = ("fp32", "bf16")
+SETTINGS_FILE = "settings.json"
+NOISE_WINDOW = 16  # reverse-chain draws per torch call and sample (a DiT-XL chunk of 64: 16 MB a window)
+
+
+class SamplingError(InputError):
+    """Options or checkpoints that cannot give the requested samples."""
+
+
+# ------------------------------------------------------------------------------------------ noise and labels
+
+_SEED_MASK = 0xFFFFFFFF
+# numpy's SeedSequence constants (numpy/random/bit_generator.pyx): hashing entropy in, mixing the pool, drawing out
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_MULT_L, _MIX_MULT_R = 0xCA01F9DD, 0x4973F715
+
+
+def sample_seeds(seed: int, indices) -> np.ndarray:
+    """``np.random.SeedSequence([seed, i]).generate_state(1)[0]`` for every index ``i`` at once (uint32).
+
+    numpy's SeedSequence hashes its entropy words with fixed 32-bit multiply-xorshift rounds; for ``seed`` and
+    indices below 2**32 the entropy is the two words ``[seed, i]``, and the same rounds run here on arrays.
+    Larger values fall back to numpy itself.
+    """
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if not (0 <= seed <= _SEED_MASK) or (idx.size and (idx.min() < 0 or idx.max() > _SEED_MASK)):
+        return np.array([np.random.SeedSequence([int(seed), int(i)]).generate_state(1)[0] for i in idx], np.uint32)
+    u32 = np.uint32
+    hash_const = [_INIT_A]  # advances with every hash, the same for every sample
+
+    def hashmix(value):
+        value = value ^ u32(hash_const[0])
+        hash_const[0] = (hash_const[0] * _MULT_A) & _SEED_MASK
+        value = value * u32(hash_const[0])
+        return value ^ (value >> u32(16))
+
+    def mix(x, y):
+        result = u32(_MIX_MULT_L) * x - u32(_MIX_MULT_R) * y
+        return result ^ (result >> u32(16))
+
+    words = [np.full(idx.shape, seed, u32), idx.astype(u32), np.zeros(idx.shape, u32), np.zeros(idx.shape, u32)]
+    pool = [hashmix(w) for w in words]  # the pool of 4 words, each entropy word hashed in
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    state = (pool[0] ^ u32(_INIT_B)) * u32((_INIT_B * _MULT_B) & _SEED_MASK)  # generate_state(1): the first word
+    return state ^ (state >> u32(16))
+
+
+def sample_generators(seed: int, indices) -> List[torch.Generator]:
+    """The noise stream of each global sample index: independent of batching and of the number of processes."""
+    return [torch.Generator().manual_seed(int(s)) for s in sample_seeds(seed, indices)]
+
+
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    return sample_generators(seed, [index])[0]
+
+
+def draw_noise(generators: Sequence[torch.Generator], shape: Sequence[int]) -> Tensor:
+    """One standard normal draw of ``shape`` from each sample's stream (on the CPU), stacked into a batch."""
+    return torch.stack([torch.randn(tuple(shape), generator=g) for g in generators])
+
+
+def chain_noise(generators: Sequence[torch.Generator], shape: Sequence[int], draws: int, device,
+                window: int = NOISE_WINDOW) -> Iterator[Tensor]:
+    """``draws`` successive :func:`draw_noise` batches, on ``device``, with the same numbers.
+
+    Each sample's stream gives ``window`` draws per torch call: torch's CPU normal sampler fills blocks of 16
+    values, so one draw of ``window * numel`` values is ``window`` draws of ``numel`` when 16 divides ``numel``
+    (otherwise each draw is its own call). The next window is drawn by a worker thread while the chain runs on the
+    current one, and on CUDA it goes through pinned memory with a non-blocking copy: the host never waits for the
+    device to take the noise, and the device never waits for the host to draw it.
+    """
+    shape = tuple(shape)
+    window = window if math.prod(shape) % 16 == 0 else 1
+    device = torch.device(device)
+    pinned = device.type == "cuda"
+    sizes = [min(window, draws - done) for done in range(0, draws, window)]
+
+    def draw(n: int) -> Tensor:
+        buffer = torch.empty((len(generators), n, *shape), pin_memory=pinned)  # (B, draws, C, H, W)
+        for row, g in zip(buffer, generators):
+            torch.randn((n, *shape), generator=g, out=row)  # straight into the sample's contiguous rows
+        return buffer
+
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        pending = worker.submit(draw, sizes[0]) if sizes else None
+        for k in range(len(sizes)):
+            buffer = pending.result()
+            if k + 1 < len(sizes):
+                pending = worker.submit(draw, sizes[k + 1])
+            block = buffer.to(device, non_blocking=pinned)  # (B, draws, C, H, W)
+            for j in range(block.shape[1]):
+                yield block[:, j]  # (B, C, H, W)
+
+
+def balanced_labels(indices: Tensor, num_classes: int) -> Tensor:
+    """Sample ``i`` gets class ``i % num_classes``: exactly N / num_classes per class when divisible."""
+    return indices % num_classes
+
+
+# --------------------------------------------------------------------------------------------- the chain
+
+def guided_fn(forward_with_cfg: Callable, labels: Tensor, null_class: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """``(x_t, timesteps) -> guided output`` of a network called in the official DiT convention,
+    ``forward_with_cfg(x twice, t twice, [labels; null class]) -> [guided; guided]``."""
+    null = torch.full_like(labels, null_class)
+
+    def guided(x, t):
+        return forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]))[: x.shape[0]]
+
+    return guided
+
+
+def guided_model_fn(model: DiT, labels: Tensor, cfg_scale: float, guided_channels="3") -> Callable[[Tensor, Tensor], Tensor]:
+    """Classifier-free guidance through the model's ``forward_with_cfg`` (official convention: the first
+    ``guided_channels`` epsilon channels are guided, 3 of DiT's 4 latent channels; ``"all"`` guides every one)."""
+    if model.y_embedder.embedding_table.num_embeddings <= model.num_classes:
+        raise SamplingError("classifier-free guidance needs a null class, but this model was trained without label "
+                            "dropout (class_dropout_prob=0): use --cfg-scale 1")
+    channels = guided_channels if guided_channels == "all" else int(guided_channels)
+    return guided_fn(partial(model.forward_with_cfg, cfg_scale=cfg_scale, guided_channels=channels), labels,
+                     model.num_classes)
+
+
+def model_fn_for(model: DiT, labels: Tensor, cfg_scale: float = 1.0, guided_channels="3") -> Callable[[Tensor, Tensor], Tensor]:
+    """``(x_t, timesteps) -> output`` for ``labels``; guided when ``cfg_scale != 1`` (at 1 guidance equals the
+    plain forward, so its second half-batch is skipped, as in DiT)."""
+    if cfg_scale == 1.0:
+        return lambda x, t: model(x, t, labels)
+    return guided_model_fn(model, labels, cfg_scale, guided_channels)
+
+
+@torch.no_grad()
+def reverse_chain(model_fn, diffusion: GaussianDiffusion, generators: Sequence[torch.Generator], shape: Sequence[int],
+                  sampler: str = "ddpm", eta: float = 0.0, device="cpu") -> Iterator[Tensor]:
+    """The reverse chain for one batch, state by state: yields x_T, then x after each respaced step (x_0 last).
+    Sample ``b`` draws its x_T and step noise from ``generators[b]`` (:func:`chain_noise`).
+
+    ``ddpm``: ancestral steps with the learned (or fixed) variance, :meth:`GaussianDiffusion.p_sample`;
+    ``ddim``: :meth:`GaussianDiffusion.ddim_sample` with ``eta``.
+    """
+    if sampler not in SAMPLERS:
+        raise SamplingError(f"sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    noise = chain_noise(generators, shape, diffusion.num_timesteps + 1, device)
+    x = next(noise)
+    yield x
+    for i in range(diffusion.num_timesteps - 1, -1, -1):
+        t = torch.full((x.shape[0],), i, device=device, dtype=torch.long)
+        out = model_fn(x, diffusion.model_timesteps(t))
+        if sampler == "ddpm":
+            x = diffusion.p_sample(out, x, t, next(noise))["sample"]
+        else:
+            x = diffusion.ddim_sample(out, x, t, next(noise), eta)["sample"]
+        yield x
+
+
+def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[torch.Generator], shape: Sequence[int],
+                sampler: str = "ddpm", eta: float = 0.0, device="cpu") -> Tensor:
+    """x_0 of :func:`reverse_chain`."""
+    for x in reverse_chain(model_fn, diffusion, generators, shape, sampler, eta, device):
+        pass
+    return x
+
+
+def autocast(device, precision: str):
+    """The model's forward in ``precision``: ``bf16`` autocast (its matmuls in bfloat16; the streams, the model
+    output and the chain arithmetic stay float32) or plain ``fp32``."""
+    if precision not in PRECISIONS:
+        raise SamplingError(f"precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+class VAEMismatchError(SamplingError):
+    """The VAE given is not the one the latents (and so the model) were made with."""
+
+
+class Decoder:
+    """Model outputs -> uint8 images ``[B, C, H, W]``: through the VAE (``x / scaling_factor``) or as pixels.
+
+    ``expect`` (``vae``, ``vae_sha256``, ``vae_scaling_factor``, as the latents' metadata and the model's weights
+    record them) is checked against the loaded VAE: decoding with another VAE gives wrong images without an error.
+    ``nonfinite="raise"`` refuses NaN/inf samples; ``"black"`` draws them black and counts them in
+    :attr:`nonfinite_images` (training grids and FIDs, which must never stop a run).
+    """
+
+    def __init__(self, autoencoder: str, device, option: str = "--vae", expect: Optional[dict] = None,
+                 nonfinite: str = "raise", made_with: str = "the model was trained on"):
+        self.vae, self.scaling_factor, self.fingerprint = None, 1.0, None
+        self.nonfinite, self.nonfinite_images = nonfinite, 0
+        if autoencoder != "none":
+            vae = load_vae(autoencoder, option=option)
+            self.fingerprint = weights_fingerprint(vae.state_dict())
+            self.scaling_factor = float(vae.config.scaling_factor)
+            self._check(autoencoder, option, expect or {}, made_with)
+            self.vae = vae.to(device).eval().requires_grad_(False)
+
+    def _check(self, autoencoder: str, option: str, expect: dict, made_with: str) -> None:
+        want_scale, want_sha = expect.get("vae_scaling_factor"), expect.get("vae_sha256")
+        scale_differs = want_scale is not None and not math.isclose(float(want_scale), self.scaling_factor, rel_tol=1e-6)
+        if not (scale_differs or (want_sha and want_sha != self.fingerprint)):
+            return
+        recorded = ", ".join(f"{k} {v}" for k, v in (("vae", expect.get("vae")), ("scaling factor", want_scale),
+                                                        ("weights sha256", (want_sha or "")[:16])) if v)
+        given = f"{option}={autoencoder}" if option.startswith(("data.", "train.")) else f"{option} {autoencoder}"
+        raise VAEMismatchError(
+            f"{given} is not the VAE {made_with} (recorded: {recorded}; this one: scaling factor "
+            f"{self.scaling_factor:g}, weights sha256 {self.fingerprint[:16]}): its decoded images would be wrong. "
+            f"Point {option} at the VAE that encoded the latents")
+
+    @torch.no_grad()
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.vae is not None:
+            x = self.vae.decode(x / self.scaling_factor).sample
+        x = x.float()
+        if self.nonfinite == "black":
+            finite = torch.isfinite(x)
+            self.nonfinite_images += int((~finite).flatten(1).any(dim=1).sum())
+            x = torch.where(finite, x, -1.0)
+        return images_to_uint8(x.clamp(-1.0, 1.0).cpu())  # with nonfinite="raise", NaN samples raise here
+
+
+@dataclass
+class Sampler:
+    """A model, its diffusion and decoder, and the sampling options: ``sampler(indices, labels) -> uint8``."""
+
+    model: DiT
+    spec: DiTSpec
+    decoder: Decoder
+    diffusion: GaussianDiffusion
+    sampler: str = "ddpm"
+    eta: float = 0.0
+    cfg_scale: float = 1.0
+    guided_channels: str = "3"
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        self.diffusion.to(self.device)  # the schedule next to the model: no host-to-device copy per step
+        autocast(self.device, self.precision)  # an unknown precision fails here, before any sampling
+
+    def __call__(self, indices: Tensor, labels: Tensor) -> Tensor:
+        generators = sample_generators(self.seed, indices.tolist())
+        model_fn = model_fn_for(self.model, labels.to(self.device), self.cfg_scale, self.guided_channels)
+
+        def forward(x, t):
+            with autocast(self.device, self.precision):
+                return model_fn(x, t)
+
+        x = sample_loop(forward, self.diffusion, generators, self.spec.shape, self.sampler, self.eta, self.device)
+        return self.decoder(x)
+
+    def settings(self) -> dict:
+        """What this sampler makes a sample set with: recorded with the set, compared on resume."""
+        guided = self.cfg_scale != 1.0
+        model = {k: v for k, v in vars(self.spec).items() if k != "class_names"}
+        return {"model": model, "sampler": self.sampler, "respacing": self.diffusion.respacing,
+                "timesteps": self.diffusion.timestep_map.tolist(), "eta": self.eta if self.sampler == "ddim" else None,
+                "cfg_scale": self.cfg_scale, "guided_channels": self.guided_channels if guided else None,
+                "precision": self.precision, "vae": self.spec.autoencoder,
+                "vae_scaling_factor": self.decoder.scaling_factor, "vae_sha256": self.decoder.fingerprint,
+                "seed": self.seed, "labels": "sample i has class i % num_classes"}
+
+
+# ------------------------------------------------------------------------------------- chunked sample sets
+
+def chunk_path(out_dir: Path, k: int) -> Path:
+    return out_dir / "chunks" / f"chunk_{k:06d}.npz"
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def write_adm_npz(path: Path, chunk_files: Sequence[Path], count: int, image_shape: Sequence[int], protocol: dict) -> None:
+    """``arr_0`` (uint8 [N, H, W, C]), ``arr_1`` (labels) and the protocol, streamed chunk by chunk, so the
+    file can be larger than memory (np.savez needs the whole array)."""
+    labels = []
+    with atomic_write(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        with zf.open("arr_0.npy", "w", force_zip64=True) as f:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
+                      "shape": (count, *image_shape)}
+            np.lib.format.write_array_header_1_0(f, header)
+            for chunk in chunk_files:
+                with np.load(chunk) as data:
+                    f.write(np.ascontiguousarray(data["images"]).tobytes())
+                    labels.append(data["labels"])
+        zf.writestr("arr_1.npy", _npy_bytes(np.concatenate(labels)))
+        zf.writestr(f"{SAMPLING_PROTOCOL_KEY}.npy", _npy_bytes(np.array(json.dumps(protocol))))
+
+
+def write_pngs(folder: Path, chunk_files: Sequence[Path], protocol: dict) -> None:
+    """One PNG per sample, each written atomically; all are rewritten from the chunks (the source of truth), so
+    files left by an interrupted earlier run are never trusted."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.tmp"):  # a kill while writing a PNG leaves only its temporary file
+        stale.unlink()
+    for chunk in chunk_files:
+        with np.load(chunk) as data:
+            for index, image in zip(data["indices"], data["images"]):
+                with atomic_write(folder / f"{int(index):06d}.png") as tmp:
+                    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(tmp, format="PNG")
+    atomic_write_text(folder / SAMPLING_PROTOCOL_FILE, json.dumps(protocol, indent=2))
+
+
+def check_resume(out_dir: Path, settings: dict) -> None:
+    """Refuse to add samples to a directory whose finished chunks were made otherwise (options or weights)."""
+    settings_file = out_dir / SETTINGS_FILE
+    if not settings_file.is_file():
+        if any((out_dir / "chunks").glob("chunk_*.npz")):
+            raise SamplingError(f"{out_dir / 'chunks'} holds sample chunks but no {SETTINGS_FILE}, so nothing says "
+                                "which weights and options made them; use a new --out-dir (or delete the chunks)")
+        return
+    old = json.loads(settings_file.read_text())
+    # The weights are compared by content (weights_sha256); the path is only recorded, so a moved file resumes.
+    diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k) and k != "checkpoint")
+    if not diff:
+        return
+    if diff == ["weights_sha256"]:
+        raise SamplingError(
+            f"{out_dir} holds samples from other weights: {settings['checkpoint']} now holds weights with fingerprint "
+            f"{settings['weights_sha256'][:16]}, the finished chunks came from {str(old['weights_sha256'])[:16]} (the "
+            "file was replaced since, e.g. by a training run refreshing ema.safetensors). Use a new --out-dir, or "
+            "restore the weights the chunks came from to resume")
+    raise SamplingError(f"{out_dir} holds samples made with other settings ({', '.join(diff)} differ); "
+                        "use a new --out-dir, or the same options to resume")
+
+
+def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: int, settings: dict, state,
+                     formats: Sequence[str] = ("npz",), progress: bool = True) -> Optional[dict]:
+    """Samples ``0..N-1`` in chunks of ``batch_size`` (process r of ``state`` takes chunks r, r + W, ...), each
+    written to ``out_dir/chunks/`` as it finishes, then ``samples.npz`` (``"npz"``) and ``images/`` (``"png"``).
+
+    ``settings`` (what makes the set, :meth:`Sampler.settings` plus the caller's) go to ``settings.json``; a rerun
+    with the same settings only samples the chunks still missing, one with other settings is refused.
+    Returns ``{"outputs", "protocol"}`` on the main process, None on the others.
+    """
+    out_dir = Path(out_dir)
+    check_resume(out_dir, settings)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        (out_dir / "chunks").mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / SETTINGS_FILE, json.dumps(settings, indent=2))
+    state.wait_for_everyone()
+
+    num_chunks = math.ceil(num_samples / batch_size)
+    mine = [k for k in range(state.process_index, num_chunks, state.num_processes) if not chunk_path(out_dir, k).exists()]
+    from tqdm.auto import tqdm
+
+    for k in tqdm(mine, desc=f"chunks (process {state.process_index})", disable=not state.is_main_process or not progress):
+        indices = torch.arange(k * batch_size, min((k + 1) * batch_size, num_samples))
+        labels = balanced_labels(indices, sampler.spec.num_classes)
+        images = sampler(indices, labels).permute(0, 2, 3, 1).numpy()  # NHWC, as ADM stores them
+        atomic_savez(chunk_path(out_dir, k), images=images, labels=labels.numpy(), indices=indices.numpy())
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return None
+
+    chunks = [chunk_path(out_dir, k) for k in range(num_chunks)]
+    missing = [str(c) for c in chunks if not c.exists()]
+    if missing:
+        raise SamplingError(f"chunks missing after sampling ({missing[:3]}...): do all processes share {out_dir}?")
+    with np.load(chunks[0]) as first:
+        image_shape = first["images"].shape[1:]
+    protocol = {**settings, "num_processes": state.num_processes}
+    outputs = {}
+    if "npz" in formats:
+        outputs["npz"] = out_dir / "samples.npz"
+        write_adm_npz(outputs["npz"], chunks, num_samples, image_shape, protocol)
+    if "png" in formats:
+        outputs["png"] = out_dir / "images"
+        write_pngs(outputs["png"], chunks, protocol)
+    atomic_write_text(out_dir / SAMPLING_PROTOCOL_FILE, json.dumps(protocol, indent=2))
+    return {"outputs": {k: str(v) for k, v in outputs.items()}, "protocol": protocol}
+
+
+# ------------------------------------------------------------------------------------------------- grids
+
+def class_names(num_classes: int, pixel: bool = False, names: Optional[Sequence[str]] = None) -> List[str]:
+    """Readable class names for grid labels: ImageNet's descriptions for its 1000 classes (or for WordNet ids such as
+    ``n01440764``), Fashion-MNIST's for a 10-class pixel model, else the given names or the class numbers.
+    A name ImageNet-1k does not know (an ImageNet-21k WordNet id, any folder name) stays as it is."""
+    from timm.data import ImageNetInfo
+
+    if names is not None and len(names) == num_classes:
+        info = ImageNetInfo()
+
+        def readable(name: str) -> str:
+            try:
+                return info.label_name_to_description(name).split(",")[0]
+            except KeyError:
+                return name
+
+        return [readable(str(n)) for n in names]
+    if num_classes == 1000:
+        info = ImageNetInfo()
+        return [info.index_to_description(i).split(",")[0] for i in range(1000)]
+    if num_classes == 10 and pixel:
+        from common.data import FASHION_MNIST_CLASSES
+
+        return list(FASHION_MNIST_CLASSES)
+    return [str(i) for i in range(num_classes)]
+
+
+def write_grid(images: Tensor, labels: Sequence[int], path, names: Sequence[str], nrow: Optional[int] = None,
+               min_tile: int = 128) -> Path:
+    """A PNG grid people can read: tiles upscaled (nearest, by a whole factor) to at least ``min_tile`` pixels, and
+    class names written on it -- at the left of each row when a row holds one class, else under each tile."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = images.permute(0, 2, 3, 1).numpy()  # uint8 NHWC
+    n, h, w, c = images.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    rows = [list(range(i, min(i + nrow, n))) for i in range(0, n, nrow)]
+    scale = max(1, math.ceil(min_tile / max(h, w)))
+    th, tw, pad = h * scale, w * scale, 4
+    font = ImageFont.load_default(size=14)
+    text = lambda i: names[int(labels[i])]  # noqa: E731
+    by_row = all(len({int(labels[i]) for i in row}) == 1 for row in rows) and len(rows) > 1
+    margin = max(int(font.getlength(text(row[0]))) for row in rows) + 2 * pad if by_row else 0
+    caption = 0 if by_row else 18
+    grid = Image.new("RGB", (margin + nrow * (tw + pad) + pad, len(rows) * (th + pad + caption) + pad), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, row in enumerate(rows):
+        y = pad + r * (th + pad + caption)
+        if by_row:
+            draw.text((pad, y + th // 2), text(row[0]), fill="black", font=font, anchor="lm")
+        for k, i in enumerate(row):
+            x = margin + pad + k * (tw + pad)
+            tile = Image.fromarray(images[i][..., 0] if c == 1 else images[i]).convert("RGB")
+            grid.paste(tile.resize((tw, th), Image.NEAREST), (x, y))
+            if not by_row:
+                label = text(i)
+                while font.getlength(label) > tw and len(label) > 1:
+                    label = label[:-1]
+                draw.text((x + tw // 2, y + th + 2), label, fill="black", font=font, anchor="mt")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp:
+        grid.save(tmp, format="PNG")
+    return path

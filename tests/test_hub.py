@@ -1,0 +1,147 @@
+"""A DiT in the Hugging Face stack, offline: save_pretrained / from_pretrained round trips, the export of a Pre-Norm DiT
+to diffusers' DiTTransformer2DModel, and the pipeline that keeps the learned variance, against diffusion.sample."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+from common.checkpoint import save_weights
+from diffusion.export import main as export_main
+from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
+from diffusion.models import DiTSpec, load_dit
+from diffusion.pipeline import DiTSamplingPipeline
+from diffusion.sample import main as sample_main
+from diffusion.sampling import model_fn_for, sample_generators, sample_loop
+
+TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}
+torch.set_num_threads(1)
+
+
+def tiny_dit(topology="siamese", in_channels=1, class_dropout_prob=0.1, learn_sigma=True, **values):
+    """A tiny DiT and its spec, weights moved off the adaLN-Zero init (whose output is identically zero)."""
+    spec = DiTSpec.published("DiT-S/4", topology=topology, input_size=8, in_channels=in_channels, num_classes=5,
+                             class_dropout_prob=class_dropout_prob, learn_sigma=learn_sigma, kwargs=TINY,
+                             **{"autoencoder": "none", **values})
+    torch.manual_seed(0)
+    model = spec.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval(), spec
+
+
+def tiny_vae(path):
+    torch.manual_seed(0)
+    vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4)
+    vae.save_pretrained(path)
+    return path
+
+
+def inputs(channels=1, n=3):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, channels, 8, 8, generator=g), torch.tensor([0, 500, 999])[:n], torch.tensor([0, 3, 4])[:n]
+
+
+def test_save_pretrained_round_trip_keeps_weights_outputs_and_spec(tmp_path):
+    model, spec = tiny_dit(class_names=["a", "b", "c", "d", "e"], num_timesteps=500, beta_end=0.03)
+    DiTModel.from_dit(model, spec).save_pretrained(tmp_path / "shared")
+    config = json.loads((tmp_path / "shared" / "config.json").read_text())
+    assert config["_class_name"] == "DiTModel" and config["model_kwargs"] == TINY and config["num_timesteps"] == 500
+    loaded = DiTModel.from_pretrained(tmp_path / "shared")
+    assert loaded.spec == spec and not loaded.training
+    x, t, y = inputs()
+    assert torch.equal(loaded(x, t, y), model(x, t, y))
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    # the folder is a checkpoint diffusion.sample (and every other reader of DiT checkpoints) takes
+    again, read_spec, _ = load_dit(tmp_path / "shared")
+    assert read_spec == spec and torch.equal(again(x, t, y), model(x, t, y))
+
+
+def test_pre_norm_dit_exports_to_diffusers_dit_transformer(tmp_path):
+    for class_dropout_prob in (0.1, 0.0):  # without label dropout diffusers still keeps a null row: a zero row
+        model, spec = tiny_dit("pre", in_channels=4, class_dropout_prob=class_dropout_prob)
+        transformer = to_diffusers_transformer(model)
+        x, t, y = inputs(channels=4)
+        ours = model(x, t, y)
+        assert ours.shape == (3, 8, 8, 8) and ours.abs().max() > 0.1  # epsilon and the learned-variance channels
+        theirs = transformer(x, timestep=t, class_labels=y).sample
+        torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+        # saved and loaded by diffusers itself; its own timestep projection (frequencies over 127, not 128) differs
+        transformer.save_pretrained(tmp_path / f"t{class_dropout_prob}")
+        plain = DiTTransformer2DModel.from_pretrained(tmp_path / f"t{class_dropout_prob}")
+        assert (plain(x, timestep=t, class_labels=y).sample - ours).abs().max() > 1e-3
+        torch.testing.assert_close(exact_timesteps(plain)(x, timestep=t, class_labels=y).sample, ours, atol=1e-5,
+                                   rtol=1e-5)
+    with pytest.raises(ValueError, match="Pre-Norm DiT; a 'siamese' DiT is shared as DiTModel"):
+        to_diffusers_transformer(tiny_dit("siamese")[0])
+
+
+@pytest.mark.parametrize("topology, cfg_scale", [("pre", 1.0), ("pre", 2.0), ("siamese", 2.0)])
+def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_path, topology, cfg_scale):
+    """Export (CLI) -> DiTSamplingPipeline.from_pretrained -> 4 DDPM steps with the learned variance, through a tiny
+    VAE: latents equal diffusion.sampling's chain on the same per-sample streams, images equal diffusion.sample's."""
+    vae = tiny_vae(tmp_path / "vae")
+    model, spec = tiny_dit(topology, in_channels=4, autoencoder=str(vae))
+    ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata(step=3))
+    export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "pipe"), "--format", "diffusers", "--quiet"])
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    assert index["_class_name"] == "DiTSamplingPipeline" and index["vae"] == ["diffusers", "AutoencoderKL"]
+    assert index["transformer"] == (["diffusers", "DiTTransformer2DModel"] if topology == "pre"
+                                    else ["diffusion.hub", "DiTModel"])
+    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe")
+    labels, seed = [0, 1, 2, 3], 7  # the classes diffusion.sample --num-samples 4 gives samples 0..3
+    got = pipe(labels, num_inference_steps=4, guidance_scale=cfg_scale, generator=sample_generators(seed, range(4)),
+               output_type="latent").images
+    fn = model_fn_for(model, torch.tensor(labels), cfg_scale)
+    expected = sample_loop(fn, spec.diffusion(sampling_steps=4), sample_generators(seed, range(4)), spec.shape)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    images = pipe(labels, num_inference_steps=4, guidance_scale=cfg_scale, generator=sample_generators(seed, range(4)),
+                  output_type="np").images
+    sample_main(["--checkpoint", str(ckpt), "--num-samples", "4", "--out-dir", str(tmp_path / "s"), "--steps", "4",
+                 "--seed", str(seed), "--cfg-scale", str(cfg_scale), "--batch-size", "4", "--quiet"])
+    ours = np.load(tmp_path / "s" / "samples.npz")
+    assert ours["arr_1"].tolist() == labels and ours["arr_0"].shape == images.shape == (4, 8, 8, 3)
+    quantised = np.clip(np.round(images * 255), 0, 255)  # [0, 1] floats rounded vs DiT's 127.5 x + 128
+    assert np.abs(quantised - ours["arr_0"]).max() <= 1 and ours["arr_0"].std() > 5
+
+
+def test_pixel_pipeline_has_no_vae_and_ddim_is_offered(tmp_path):
+    model, spec = tiny_dit("siamese")
+    ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata())
+    export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "pipe"), "--format", "diffusers", "--quiet"])
+    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe")
+    assert pipe.vae is None and pipe.scheduler.config.variance_type == "learned_range"
+    got = pipe([1, 2], num_inference_steps=10, sampler="ddim", eta=0.5, generator=sample_generators(0, [0, 1]),
+               output_type="latent").images
+    expected = sample_loop(model_fn_for(model, torch.tensor([1, 2])), spec.diffusion(sampling_steps=10, spacing="ddim"),
+                           sample_generators(0, [0, 1]), spec.shape, "ddim", 0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    pil = pipe([1], num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images
+    assert pil[0].size == (8, 8)
+
+
+def test_export_refusals_are_one_line(tmp_path, monkeypatch, capsys):
+    model, spec = tiny_dit("siamese")
+    ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata())
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "full")])
+    assert exit_info.value.code == 2 and "is not empty" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "hub"), "--push-to-hub", "someone/dit",
+                     "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--push-to-hub someone/dit" in err[0]
+    assert (tmp_path / "hub" / "config.json").is_file()  # the folder is written either way
+    (tmp_path / "other").mkdir()
+    to_diffusers_transformer(tiny_dit("pre")[0]).save_pretrained(tmp_path / "other")
+    with pytest.raises(SystemExit, match="describes a DiTTransformer2DModel, not a DiTModel"):
+        sample_main(["--checkpoint", str(tmp_path / "other"), "--grid", str(tmp_path / "g.png")])
