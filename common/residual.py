@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+import torch.fx
 
 Tensor = torch.Tensor
 StreamState = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -253,16 +253,75 @@ class ResiDualBlock(ResidualBlock):
         return self.norm2(x + z), y + z
 
 
+class SiameseNormChain(torch.autograd.Function):
+    """SiameseNorm's norm chain as one autograd node: ``X' = LN_post(X)``, ``H = LN_in(X' + LN_pre(Y))``.
+
+    Backward keeps ``X``, ``Y``, the mean and rstd of the three norms and their affine weights, not the
+    ``LN_in`` input ``X' + LN_pre(Y)`` autograd would keep; it rebuilds that input with the forward's own kernels,
+    so values and gradients are those of the unfused chain. ``LN_in`` is non-affine when its weight and bias are
+    None (DiT) and absent with ``normalized_input=False``. Runs in eager mode and under ``torch.compile``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+                post_eps: float, pre_eps: float, in_eps: float, normalized_input: bool):
+        shape = x.shape[-1:]
+        x_out, x_mean, x_rstd = torch.native_layer_norm(x, shape, post_weight, post_bias, post_eps)
+        y_out, y_mean, y_rstd = torch.native_layer_norm(y, shape, pre_weight, pre_bias, pre_eps)
+        h = x_out + y_out
+        h_mean = h_rstd = None
+        if normalized_input:
+            h, h_mean, h_rstd = torch.native_layer_norm(h, shape, in_weight, in_bias, in_eps)
+        ctx.save_for_backward(x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+                              x_mean, x_rstd, y_mean, y_rstd, h_mean, h_rstd)
+        ctx.eps = (post_eps, pre_eps)
+        ctx.normalized_input = normalized_input
+        return x_out, h
+
+    @staticmethod
+    def backward(ctx, grad_x_out, grad_h):
+        (x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+         x_mean, x_rstd, y_mean, y_rstd, h_mean, h_rstd) = ctx.saved_tensors
+        shape = x.shape[-1:]
+        layer_norm_backward = torch.ops.aten.native_layer_norm_backward
+        grad_in_weight = grad_in_bias = None
+        grad_sum = grad_h
+        if ctx.normalized_input:
+            x_out = torch.native_layer_norm(x, shape, post_weight, post_bias, ctx.eps[0])[0]
+            y_out = torch.native_layer_norm(y, shape, pre_weight, pre_bias, ctx.eps[1])[0]
+            grad_sum, grad_in_weight, grad_in_bias = layer_norm_backward(
+                grad_h, x_out + y_out, shape, h_mean, h_rstd, in_weight, in_bias,
+                [True, in_weight is not None, in_bias is not None])
+        grad_x, grad_post_weight, grad_post_bias = layer_norm_backward(
+            grad_x_out + grad_sum, x, shape, x_mean, x_rstd, post_weight, post_bias,
+            [True, post_weight is not None, post_bias is not None])
+        grad_y, grad_pre_weight, grad_pre_bias = layer_norm_backward(
+            grad_sum, y, shape, y_mean, y_rstd, pre_weight, pre_bias,
+            [True, pre_weight is not None, pre_bias is not None])
+        return (grad_x, grad_y, grad_post_weight, grad_post_bias, grad_pre_weight, grad_pre_bias,
+                grad_in_weight, grad_in_bias, None, None, None, None)
+
+
+def _layer_norm_args(norm: nn.Module) -> Tuple[Optional[Tensor], Optional[Tensor], float]:
+    if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
+        raise TypeError(f"recompute_norms fuses LayerNorms over the last dimension, not {type(norm).__name__}")
+    return norm.weight, norm.bias, norm.eps
+
+
 def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, inp: nn.Module,
                        recompute: bool = False) -> Tuple[Tensor, Tensor]:
     """SiameseNorm's norm chain in front of a sublayer: ``X' = LN_post(X)`` and the input ``LN_in(X' + LN_pre(Y))``.
 
-    ``recompute`` keeps only ``X`` and ``Y`` for backward and runs the chain again there (no effect without
-    autograd); the values and gradients are those of the stored chain, bit for bit.
+    ``recompute`` runs it as :class:`SiameseNormChain` when autograd records (not while FX traces), which keeps
+    less for backward; otherwise the three norm modules run as they are.
     """
-    if recompute and torch.is_grad_enabled():
-        return checkpoint(siamese_norm_chain, x, y, post, pre, inp, use_reentrant=False, preserve_rng_state=False,
-                          determinism_check="none")
+    if recompute and torch.is_grad_enabled() and not torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        if y is x:  # the first block's streams are one tensor; dynamo traces Function.apply only on distinct inputs
+            y = y.view_as(y)
+        normalized_input = not isinstance(inp, nn.Identity)
+        in_weight, in_bias, in_eps = _layer_norm_args(inp) if normalized_input else (None, None, 0.0)
+        return SiameseNormChain.apply(x, y, *_layer_norm_args(post)[:2], *_layer_norm_args(pre)[:2], in_weight,
+                                      in_bias, post.eps, pre.eps, in_eps, normalized_input)
     x = post(x)
     return x, inp(x + pre(y))
 
@@ -279,9 +338,9 @@ class SiameseNormBlock(ResidualBlock):
         normalized_input: apply ``LN_in`` (paper Table 3 "Normalized Input"); without it the sublayer reads
             ``X' + LN_pre(Y)``.
         depth_scaling: ``c_l = sqrt(2(l+1))`` (Table 3 "Depth-wise Scaling"); else ``c_l = 1``.
-        recompute_norms: recompute the norm chain in backward instead of storing it
-            (:func:`siamese_norm_chain`): backward keeps one stream tensor per sublayer more than Pre-Norm
-            instead of two. Norm hooks fire again in backward.
+        recompute_norms: run the norm chain as :class:`SiameseNormChain` under autograd, which rebuilds the
+            ``LN_in`` input in backward instead of keeping it: backward keeps one stream tensor per sublayer more
+            than Pre-Norm instead of two. The norms' forward hooks do not fire on that path.
         norm_layer: the affine stream norms ``LN_pre``, ``LN_post``.
         input_norm_layer: ``LN_in`` (default ``norm_layer``); DiT passes a non-affine LayerNorm and modulates
             its output in the sublayer.
