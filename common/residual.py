@@ -257,8 +257,8 @@ class SiameseNormChain(torch.autograd.Function):
     """SiameseNorm's norm chain as one autograd node: ``X' = LN_post(X)``, ``H = LN_in(X' + LN_pre(Y))``.
 
     Backward keeps ``X``, ``Y``, the mean and rstd of the three norms and their affine weights, not the
-    ``LN_in`` input ``X' + LN_pre(Y)`` autograd would keep; it rebuilds that input with the forward's own kernels,
-    so values and gradients are those of the unfused chain. ``LN_in`` is non-affine when its weight and bias are
+    ``LN_in`` input ``X' + LN_pre(Y)`` autograd would keep; it rebuilds that input with the forward's own kernels.
+    The outputs are the unfused chain's bit for bit, the gradients to round-off. ``LN_in`` is non-affine when its weight and bias are
     None (DiT) and absent with ``normalized_input=False``. Runs in eager mode and under ``torch.compile``.
     """
 
@@ -318,10 +318,12 @@ def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, in
     if recompute and torch.is_grad_enabled() and not torch.fx._symbolic_trace.is_fx_symbolic_tracing():
         if y is x:  # the first block's streams are one tensor; dynamo traces Function.apply only on distinct inputs
             y = y.view_as(y)
+        post_weight, post_bias, post_eps = _layer_norm_args(post)
+        pre_weight, pre_bias, pre_eps = _layer_norm_args(pre)
         normalized_input = not isinstance(inp, nn.Identity)
         in_weight, in_bias, in_eps = _layer_norm_args(inp) if normalized_input else (None, None, 0.0)
-        return SiameseNormChain.apply(x, y, *_layer_norm_args(post)[:2], *_layer_norm_args(pre)[:2], in_weight,
-                                      in_bias, post.eps, pre.eps, in_eps, normalized_input)
+        return SiameseNormChain.apply(x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+                                      post_eps, pre_eps, in_eps, normalized_input)
     x = post(x)
     return x, inp(x + pre(y))
 
