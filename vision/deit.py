@@ -9,7 +9,7 @@ After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registr
     deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt}_patch16_224
 
 Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here builds the same network with the
-same state-dict keys (tested equal to timm).
+same state-dict keys.
 """
 
 from functools import partial
@@ -177,7 +177,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
         # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
         # cannot pass through Sequential.forward.
         self.blocks = nn.ModuleList(self.blocks)
-        # timm made `norm` a LayerNorm (Identity when pooling uses fc_norm); swap in the stream fusion.
+        # timm builds `norm` as a LayerNorm (Identity when pooling uses fc_norm); the stream fusion takes its place.
         norm_layer = get_norm_layer(kwargs.get("norm_layer")) or LayerNorm
         self.norm = build_fusion(
             self.embed_dim,
@@ -347,9 +347,8 @@ _SIZES = {
 }
 _TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt")
 
-default_cfgs = generate_default_cfgs(
-    {f"deit_{size}_{topo}_patch16_224": _cfg() for size in _SIZES for topo in _TOPOLOGIES}
-)
+MODEL_NAMES = tuple(f"deit_{size}_{topology}_patch16_224" for size in _SIZES for topology in _TOPOLOGIES)
+default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> SiameseNormVisionTransformer:
@@ -377,7 +376,6 @@ def _register(size: str, topology: str):
     globals()[name] = register_model(factory)
 
 
-MODEL_NAMES = tuple(f"deit_{size}_{topology}_patch16_224" for size in _SIZES for topology in _TOPOLOGIES)
 for _size in _SIZES:
     for _topo in _TOPOLOGIES:
         _register(_size, _topo)
