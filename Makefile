@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup data bench gpu-check clean
+.PHONY: demo test test-timm setup data bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ demo: $(STAMP) data
 
 test: $(STAMP) data
 	$(PY) -m pytest -q
+
+# timm's own tests/test_models.py (from the sdist of the installed timm, fetched from PyPI) on every DeiT we
+# register and on timm's deit_tiny_patch16_224; a table of passed/failed per model at the end.
+test-timm: $(STAMP)
+	$(PY) -m scripts.timm_suite
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench_block

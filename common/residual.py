@@ -1,54 +1,35 @@
-"""The residual topologies of a two-sublayer transformer block, implemented once.
+"""The residual topologies of a two-sublayer transformer block, one class each, written as its update.
 
-Every model in this repository (DeiT in ``vision/``, DiT in ``diffusion/``) builds its blocks on
-:class:`ResidualBlock`: the block owns the LayerNorms and the stream arithmetic, the model only
-supplies the two sublayer functions (attention and MLP, plus whatever adaLN modulation wraps them).
+A block is two sublayers, ``F1`` (attention) and ``F2`` (MLP), on a residual stream; Pre-Norm, Post-Norm,
+SiameseNorm and the baselines differ only in where the norms sit and which stream ``F`` reads and writes. Each
+topology is a subclass of :class:`ResidualBlock` that owns its norms, named as timm and the public SiameseNorm
+files name them, and whose ``forward`` is its update rule. A model's block (``vision.deit.DeiTBlock``,
+``diffusion.models.DiTBlock``) is a subclass of :class:`ResidualBlock` too: it owns the sublayers and defines
+``sublayer1(h, ctx)`` and ``sublayer2(h, ctx)``. :func:`block_class` joins the two into one class per topology
+(``SiameseNormDeiTBlock(DeiTBlock, SiameseNormBlock)``) and :func:`build_block` builds one. ``ctx`` is what a
+sublayer reads besides its input: the attention mask (DeiT) or the adaLN modulation (DiT).
 
-Topologies (per block):
-
-* ``pre``     -- ``Y <- Y + F(LN(Y))``                      (norm named ``norm{i}``)
-* ``post``    -- ``X <- LN(X + F(X))``                      (norm named ``norm{i}``)
-* ``siamese`` -- SiameseNorm (arXiv 2602.08064, docs/method.md section 1)::
-
-      X <- LN_post(X)
-      Z <- F(LN_in(X + LN_pre(Y)))      # LN_in optional ("Normalized Input")
-      X <- X + Z / c_l                  # c_l = sqrt(2(l+1)), optional ("Depth-wise Scaling")
-      Y <- Y + Z
-
-  norms named ``pre_norm{i}``, ``post_norm{i}``, ``input_norm{i}`` as in the public SiameseNorm DeiT.
-  The ``X`` update is one fused ``X.add(Z, alpha=1/c_l)``. ``recompute_norms=True`` keeps only ``X`` and ``Y``
-  of the norm chain for backward (one stream tensor per sublayer more than Pre-Norm instead of two) at a
-  few percent of step time; see :class:`ResidualBlock`.
-
-Baselines on the same block:
-
-* ``residual`` -- ResiDual (Xie et al. 2023): ``Z <- F(X); X <- LN(X + Z); Y <- Y + Z``, output
-  ``X + LN(Y)`` (:class:`ResiDualFusion`); both streams start as the embedding.  (norm ``norm{i}``)
-* ``sandwich`` -- Peri-LN / Sandwich-LN: ``Y <- Y + LN_out(F(LN(Y)))``.  (norms ``norm{i}``, ``out_norm{i}``)
-* ``deepnorm`` -- DeepNorm (Wang et al. 2022): ``X <- LN(alpha X + F(X))``, ``alpha = (2N)^(1/4)`` for ``N``
-  blocks; the model scales its value/output/MLP weights by :func:`deepnorm_beta` at init.
+The stream state is a tensor for the single-stream topologies and ``(X, Y)`` for the two-stream ones
+(SiameseNorm, ResiDual); :func:`init_streams` creates it from the embedding and :func:`build_fusion` makes the
+module that turns the final state into the features the head reads.
 
 Model-level topologies add ``mixln`` (Mix-LN: Post-Norm in the first ``k`` blocks, Pre-Norm after),
 ``layerscale`` (Pre-Norm with a learned per-channel gain on each update, CaiT) and ``dyt`` (Pre-Norm with
-:class:`DyT` in place of every LayerNorm); :func:`block_topologies` resolves a model topology into one
-block topology per depth, and the model applies the LayerScale gain or the DyT norm.
-
-A stream *state* is a tensor for the single-stream topologies and a tuple ``(X, Y)`` for the two-stream
-ones (Siamese, ResiDual); :func:`init_streams` creates it from the embedding and :func:`build_fusion`
-turns the final state into the features the head reads.
+:class:`DyT` in place of every LayerNorm); :func:`block_topologies` resolves a model topology into one block
+topology per depth, and the model applies the gain or the norm.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Tuple, Union
+from functools import lru_cache
+from typing import Callable, Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+import torch.fx
 
 Tensor = torch.Tensor
 StreamState = Union[Tensor, Tuple[Tensor, Tensor]]
-Sublayer = Callable[[Tensor], Tensor]
 
 BLOCK_TOPOLOGIES = ("pre", "post", "siamese", "residual", "sandwich", "deepnorm")
 TWO_STREAM_TOPOLOGIES = ("siamese", "residual")
@@ -135,114 +116,306 @@ def default_norm(dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=LN_EPS)
 
 
-class ResidualBlock(nn.Module):
-    """Base class of a transformer block with two sublayers wired by a residual topology.
+NormLayer = Callable[[int], nn.Module]
 
-    Subclasses create their sublayers and call :meth:`residual` for sublayer 1 and 2 in ``forward``.
-    The norms are attributes of the block itself (not of a wrapper) so that state-dict keys match
-    timm (``blocks.i.norm1``) and the public SiameseNorm files (``blocks.i.pre_norm1``) by name.
+
+class ResidualBlock(nn.Module):
+    """A transformer block of two sublayers on a residual topology.
+
+    The topology subclasses below create the norms and write ``forward`` as their update; a model's block class
+    creates the sublayers and defines :meth:`sublayer1` and :meth:`sublayer2`. The norms are attributes of the
+    block itself, so state-dict keys match timm (``blocks.i.norm1``) and the public SiameseNorm files
+    (``blocks.i.pre_norm1``) by name.
 
     Args:
         dim: channel width of the streams.
-        layer_index: 0-based depth of the block (sets the Siamese depth scale).
-        topology: ``pre``, ``post`` or ``siamese``.
-        normalized_input: Siamese only; apply ``LN_in`` to ``X + LN_pre(Y)`` (paper Table 3).
-        depth_scaling: Siamese only; divide the ``X`` update by ``sqrt(2(l+1))`` (paper Table 3).
-        norm_layer: factory ``dim -> module`` for the affine stream norms (pre/post/fusion norms).
-        input_norm_layer: factory for the norm a sublayer reads through (Pre-Norm's norm, Siamese's
-            ``LN_in``). Defaults to ``norm_layer``; DiT passes a non-affine LayerNorm and applies its
-            adaLN modulation inside the sublayer function.
-        drop_path: stochastic-depth rate applied once to each sublayer output ``Z``.
-        num_blocks: DeepNorm only; the model's depth ``N`` (sets ``alpha = (2N)^(1/4)``).
-        recompute_norms: Siamese only; keep only ``X`` and ``Y`` of the norm chain ``LN_post``, ``LN_pre``, sum,
-            ``LN_in`` for backward and recompute the rest there (``torch.utils.checkpoint`` of the chain alone;
-            no effect without autograd). Same values and gradients, bit for bit. Eager autograd then keeps
-            one stream tensor per sublayer more than Pre-Norm instead of two. Under ``torch.compile`` the
-            partitioner decides: fp32 DeiT then keeps what Pre-Norm keeps (it recomputes the sublayer input
-            too); DiT and bf16 graphs keep one stream tensor more with or without the switch. Off by default:
-            it costs 0.4-3% of CPU step time (``scripts.bench_block``). Norm hooks fire again in backward.
+        layer_index: 0-based depth of the block.
+        drop_path: stochastic-depth rate, applied once to each sublayer output ``Z``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        layer_index: int = 0,
-        topology: str = "pre",
-        *,
-        normalized_input: bool = True,
-        depth_scaling: bool = True,
-        norm_layer: Callable[[int], nn.Module] = default_norm,
-        input_norm_layer: Optional[Callable[[int], nn.Module]] = None,
-        drop_path: float = 0.0,
-        num_blocks: Optional[int] = None,
-        recompute_norms: bool = False,
-    ):
+    topology: str = ""
+    two_stream: bool = False
+
+    def __init__(self, dim: int, layer_index: int = 0, *, drop_path: float = 0.0):
         super().__init__()
-        check_topology(topology, BLOCK_TOPOLOGIES)
-        self.topology = topology
         self.layer_index = layer_index
-        self.normalized_input = normalized_input
-        self.recompute_norms = recompute_norms
-        self.depth_scale = depth_scale(layer_index, depth_scaling) if topology == "siamese" else 1.0
-        if topology == "deepnorm" and not num_blocks:
-            raise ValueError("the deepnorm topology needs num_blocks (the model depth) to set alpha = (2N)^(1/4)")
-        self.residual_scale = deepnorm_alpha(num_blocks) if topology == "deepnorm" else 1.0
-        input_norm_layer = input_norm_layer or norm_layer
-        for i in (1, 2):
-            if topology in ("pre", "sandwich"):
-                setattr(self, f"norm{i}", input_norm_layer(dim))
-                if topology == "sandwich":
-                    setattr(self, f"out_norm{i}", norm_layer(dim))
-            elif topology in ("post", "residual", "deepnorm"):
-                setattr(self, f"norm{i}", norm_layer(dim))
-            else:
-                setattr(self, f"pre_norm{i}", norm_layer(dim))
-                setattr(self, f"post_norm{i}", norm_layer(dim))
-                setattr(self, f"input_norm{i}", input_norm_layer(dim) if normalized_input else nn.Identity())
         # Imported lazily so that common/ has no hard dependency on timm at import time.
         from timm.layers import DropPath
 
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
-    def residual(self, index: int, state: StreamState, sublayer: Sublayer) -> StreamState:
-        """Apply sublayer ``index`` (1 or 2) to the stream state with this block's topology."""
-        if self.topology == "pre":
-            norm = getattr(self, f"norm{index}")
-            return state + self.drop_path(sublayer(norm(state)))
-        if self.topology == "post":
-            norm = getattr(self, f"norm{index}")
-            return norm(state + self.drop_path(sublayer(state)))
-        if self.topology == "sandwich":
-            z = getattr(self, f"out_norm{index}")(sublayer(getattr(self, f"norm{index}")(state)))
-            return state + self.drop_path(z)
-        if self.topology == "deepnorm":
-            norm = getattr(self, f"norm{index}")
-            return norm(state * self.residual_scale + self.drop_path(sublayer(state)))
-        x, y = state
-        if self.topology == "residual":
-            z = self.drop_path(sublayer(x))
-            return getattr(self, f"norm{index}")(x + z), y + z
-        if self.recompute_norms and torch.is_grad_enabled():
-            x, h = checkpoint(self._norm_chain, index, x, y, use_reentrant=False, preserve_rng_state=False,
-                           determinism_check="none")
-        else:
-            x, h = self._norm_chain(index, x, y)
-        z = self.drop_path(sublayer(h))
-        return x.add(z, alpha=1.0 / self.depth_scale), y + z
+    def sublayer1(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
+        """``F1``, the attention sublayer, on its input ``h``."""
+        raise NotImplementedError(f"{type(self).__name__} defines no sublayers; build it with block_class()")
 
-    def _norm_chain(self, index: int, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
-        """Siamese front of sublayer ``index``: ``X' = LN_post(X)`` and the sublayer input ``LN_in(X' + LN_pre(Y))``."""
-        x = getattr(self, f"post_norm{index}")(x)
-        return x, getattr(self, f"input_norm{index}")(x + getattr(self, f"pre_norm{index}")(y))
+    def sublayer2(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
+        """``F2``, the MLP sublayer, on its input ``h``."""
+        raise NotImplementedError(f"{type(self).__name__} defines no sublayers; build it with block_class()")
 
     def extra_repr(self) -> str:
-        s = f"topology={self.topology}, layer_index={self.layer_index}"
-        if self.topology == "siamese":
-            s += (f", normalized_input={self.normalized_input}, depth_scale={self.depth_scale:.4f}, "
-                  f"recompute_norms={self.recompute_norms}")
-        if self.topology == "deepnorm":
-            s += f", alpha={self.residual_scale:.4f}"
-        return s
+        return f"topology={self.topology}, layer_index={self.layer_index}"
+
+
+class PreNormBlock(ResidualBlock):
+    """Pre-Norm: ``Y <- Y + F(LN(Y))`` (timm's ``Block``). ``norm_layer`` is the norm a sublayer reads through."""
+
+    topology = "pre"
+
+    def __init__(self, dim: int, layer_index: int = 0, *, norm_layer: NormLayer = default_norm,
+                 input_norm_layer: Optional[NormLayer] = None, drop_path: float = 0.0):
+        super().__init__(dim, layer_index, drop_path=drop_path)
+        self.norm1 = (input_norm_layer or norm_layer)(dim)
+        self.norm2 = (input_norm_layer or norm_layer)(dim)
+
+    def forward(self, y: Tensor, ctx: Optional[Tensor] = None) -> Tensor:
+        y = y + self.drop_path(self.sublayer1(self.norm1(y), ctx))
+        return y + self.drop_path(self.sublayer2(self.norm2(y), ctx))
+
+
+class PostNormBlock(ResidualBlock):
+    """Post-Norm: ``X <- LN(X + F(X))`` (the original Transformer; timm's ``ResPostBlock`` norms ``F(X)`` instead)."""
+
+    topology = "post"
+
+    def __init__(self, dim: int, layer_index: int = 0, *, norm_layer: NormLayer = default_norm,
+                 input_norm_layer: Optional[NormLayer] = None, drop_path: float = 0.0):
+        super().__init__(dim, layer_index, drop_path=drop_path)
+        self.norm1 = norm_layer(dim)
+        self.norm2 = norm_layer(dim)
+
+    def forward(self, x: Tensor, ctx: Optional[Tensor] = None) -> Tensor:
+        x = self.norm1(x + self.drop_path(self.sublayer1(x, ctx)))
+        return self.norm2(x + self.drop_path(self.sublayer2(x, ctx)))
+
+
+class DeepNormBlock(ResidualBlock):
+    """DeepNorm (Wang et al. 2022): ``X <- LN(alpha X + F(X))`` with ``alpha = (2N)^(1/4)`` for ``N`` blocks.
+
+    The model scales its value, output and MLP weights by :func:`deepnorm_beta` at init (:func:`deepnorm_init_`).
+    """
+
+    topology = "deepnorm"
+
+    def __init__(self, dim: int, layer_index: int = 0, *, num_blocks: Optional[int] = None,
+                 norm_layer: NormLayer = default_norm, input_norm_layer: Optional[NormLayer] = None,
+                 drop_path: float = 0.0):
+        super().__init__(dim, layer_index, drop_path=drop_path)
+        if not num_blocks:
+            raise ValueError("the deepnorm topology needs num_blocks (the model depth) to set alpha = (2N)^(1/4)")
+        self.residual_scale = deepnorm_alpha(num_blocks)
+        self.norm1 = norm_layer(dim)
+        self.norm2 = norm_layer(dim)
+
+    def forward(self, x: Tensor, ctx: Optional[Tensor] = None) -> Tensor:
+        x = self.norm1(x * self.residual_scale + self.drop_path(self.sublayer1(x, ctx)))
+        return self.norm2(x * self.residual_scale + self.drop_path(self.sublayer2(x, ctx)))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, alpha={self.residual_scale:.4f}"
+
+
+class SandwichBlock(ResidualBlock):
+    """Peri-LN / Sandwich-LN: ``Y <- Y + LN_out(F(LN(Y)))`` (norms ``norm{i}`` and ``out_norm{i}``)."""
+
+    topology = "sandwich"
+
+    def __init__(self, dim: int, layer_index: int = 0, *, norm_layer: NormLayer = default_norm,
+                 input_norm_layer: Optional[NormLayer] = None, drop_path: float = 0.0):
+        super().__init__(dim, layer_index, drop_path=drop_path)
+        self.norm1 = (input_norm_layer or norm_layer)(dim)
+        self.out_norm1 = norm_layer(dim)
+        self.norm2 = (input_norm_layer or norm_layer)(dim)
+        self.out_norm2 = norm_layer(dim)
+
+    def forward(self, y: Tensor, ctx: Optional[Tensor] = None) -> Tensor:
+        y = y + self.drop_path(self.out_norm1(self.sublayer1(self.norm1(y), ctx)))
+        return y + self.drop_path(self.out_norm2(self.sublayer2(self.norm2(y), ctx)))
+
+
+class ResiDualBlock(ResidualBlock):
+    """ResiDual (Xie et al. 2023): ``Z <- F(X); X <- LN(X + Z); Y <- Y + Z``, read out as ``X + LN(Y)``
+    (:class:`ResiDualFusion`). Both streams start as the embedding."""
+
+    topology = "residual"
+    two_stream = True
+
+    def __init__(self, dim: int, layer_index: int = 0, *, norm_layer: NormLayer = default_norm,
+                 input_norm_layer: Optional[NormLayer] = None, drop_path: float = 0.0):
+        super().__init__(dim, layer_index, drop_path=drop_path)
+        self.norm1 = norm_layer(dim)
+        self.norm2 = norm_layer(dim)
+
+    def forward(self, state: Tuple[Tensor, Tensor], ctx: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        x, y = state
+        z = self.drop_path(self.sublayer1(x, ctx))
+        x, y = self.norm1(x + z), y + z
+        z = self.drop_path(self.sublayer2(x, ctx))
+        return self.norm2(x + z), y + z
+
+
+class SiameseNormChain(torch.autograd.Function):
+    """SiameseNorm's norm chain as one autograd node: ``X' = LN_post(X)``, ``H = LN_in(X' + LN_pre(Y))``.
+
+    Backward keeps ``X``, ``Y``, the mean and rstd of the three norms and their affine weights, not the
+    ``LN_in`` input ``X' + LN_pre(Y)`` autograd would keep; it rebuilds that input with the forward's own kernels.
+    The outputs are the unfused chain's bit for bit, the gradients to round-off. ``LN_in`` is non-affine when its weight and bias are
+    None (DiT) and absent with ``normalized_input=False``. Runs in eager mode and under ``torch.compile``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+                post_eps: float, pre_eps: float, in_eps: float, normalized_input: bool):
+        shape = x.shape[-1:]
+        x_out, x_mean, x_rstd = torch.native_layer_norm(x, shape, post_weight, post_bias, post_eps)
+        y_out, y_mean, y_rstd = torch.native_layer_norm(y, shape, pre_weight, pre_bias, pre_eps)
+        h = x_out + y_out
+        h_mean = h_rstd = None
+        if normalized_input:
+            h, h_mean, h_rstd = torch.native_layer_norm(h, shape, in_weight, in_bias, in_eps)
+        ctx.save_for_backward(x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+                              x_mean, x_rstd, y_mean, y_rstd, h_mean, h_rstd)
+        ctx.eps = (post_eps, pre_eps)
+        ctx.normalized_input = normalized_input
+        return x_out, h
+
+    @staticmethod
+    def backward(ctx, grad_x_out, grad_h):
+        (x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+         x_mean, x_rstd, y_mean, y_rstd, h_mean, h_rstd) = ctx.saved_tensors
+        shape = x.shape[-1:]
+        layer_norm_backward = torch.ops.aten.native_layer_norm_backward
+        grad_in_weight = grad_in_bias = None
+        grad_sum = grad_h
+        if ctx.normalized_input:
+            x_out = torch.native_layer_norm(x, shape, post_weight, post_bias, ctx.eps[0])[0]
+            y_out = torch.native_layer_norm(y, shape, pre_weight, pre_bias, ctx.eps[1])[0]
+            grad_sum, grad_in_weight, grad_in_bias = layer_norm_backward(
+                grad_h, x_out + y_out, shape, h_mean, h_rstd, in_weight, in_bias,
+                [True, in_weight is not None, in_bias is not None])
+        grad_x, grad_post_weight, grad_post_bias = layer_norm_backward(
+            grad_x_out + grad_sum, x, shape, x_mean, x_rstd, post_weight, post_bias,
+            [True, post_weight is not None, post_bias is not None])
+        grad_y, grad_pre_weight, grad_pre_bias = layer_norm_backward(
+            grad_sum, y, shape, y_mean, y_rstd, pre_weight, pre_bias,
+            [True, pre_weight is not None, pre_bias is not None])
+        return (grad_x, grad_y, grad_post_weight, grad_post_bias, grad_pre_weight, grad_pre_bias,
+                grad_in_weight, grad_in_bias, None, None, None, None)
+
+
+def _layer_norm_args(norm: nn.Module) -> Tuple[Optional[Tensor], Optional[Tensor], float]:
+    if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
+        raise TypeError(f"recompute_norms fuses LayerNorms over the last dimension, not {type(norm).__name__}")
+    return norm.weight, norm.bias, norm.eps
+
+
+def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, inp: nn.Module,
+                       recompute: bool = False) -> Tuple[Tensor, Tensor]:
+    """SiameseNorm's norm chain in front of a sublayer: ``X' = LN_post(X)`` and the input ``LN_in(X' + LN_pre(Y))``.
+
+    ``recompute`` runs it as :class:`SiameseNormChain` when autograd records (not while FX traces), which keeps
+    less for backward; otherwise the three norm modules run as they are.
+    """
+    if recompute and torch.is_grad_enabled() and not torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        if y is x:  # the first block's streams are one tensor; dynamo traces Function.apply only on distinct inputs
+            y = y.view_as(y)
+        post_weight, post_bias, post_eps = _layer_norm_args(post)
+        pre_weight, pre_bias, pre_eps = _layer_norm_args(pre)
+        normalized_input = not isinstance(inp, nn.Identity)
+        in_weight, in_bias, in_eps = _layer_norm_args(inp) if normalized_input else (None, None, 0.0)
+        return SiameseNormChain.apply(x, y, post_weight, post_bias, pre_weight, pre_bias, in_weight, in_bias,
+                                      post_eps, pre_eps, in_eps, normalized_input)
+    x = post(x)
+    return x, inp(x + pre(y))
+
+
+class SiameseNormBlock(ResidualBlock):
+    """SiameseNorm (arXiv 2602.08064), per sublayer::
+
+        X <- LN_post(X);  Z <- F(LN_in(X + LN_pre(Y)));  X <- X + Z / c_l;  Y <- Y + Z
+
+    ``Z`` carries one DropPath mask into both streams; the ``X`` update is one fused ``X.add(Z, alpha=1/c_l)``.
+    Norms ``pre_norm{i}``, ``post_norm{i}``, ``input_norm{i}``, as in the public SiameseNorm DeiT.
+
+    Args:
+        normalized_input: apply ``LN_in`` (paper Table 3 "Normalized Input"); without it the sublayer reads
+            ``X' + LN_pre(Y)``.
+        depth_scaling: ``c_l = sqrt(2(l+1))`` (Table 3 "Depth-wise Scaling"); else ``c_l = 1``.
+        recompute_norms: run the norm chain as :class:`SiameseNormChain` under autograd, which rebuilds the
+            ``LN_in`` input in backward instead of keeping it: backward keeps one stream tensor per sublayer more
+            than Pre-Norm instead of two. The norms' forward hooks do not fire on that path.
+        norm_layer: the affine stream norms ``LN_pre``, ``LN_post``.
+        input_norm_layer: ``LN_in`` (default ``norm_layer``); DiT passes a non-affine LayerNorm and modulates
+            its output in the sublayer.
+    """
+
+    topology = "siamese"
+    two_stream = True
+
+    def __init__(self, dim: int, layer_index: int = 0, *, normalized_input: bool = True, depth_scaling: bool = True,
+                 recompute_norms: bool = False, norm_layer: NormLayer = default_norm,
+                 input_norm_layer: Optional[NormLayer] = None, drop_path: float = 0.0):
+        super().__init__(dim, layer_index, drop_path=drop_path)
+        self.normalized_input = normalized_input
+        self.recompute_norms = recompute_norms
+        self.depth_scale = depth_scale(layer_index, depth_scaling)
+        input_norm_layer = input_norm_layer or norm_layer
+        self.pre_norm1 = norm_layer(dim)
+        self.post_norm1 = norm_layer(dim)
+        self.input_norm1 = input_norm_layer(dim) if normalized_input else nn.Identity()
+        self.pre_norm2 = norm_layer(dim)
+        self.post_norm2 = norm_layer(dim)
+        self.input_norm2 = input_norm_layer(dim) if normalized_input else nn.Identity()
+
+    def forward(self, state: Tuple[Tensor, Tensor], ctx: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        x, y = state
+        # TorchScript passes no modules to a function, so it reads the chain inline.
+        if not torch.jit.is_scripting():
+            x, h = siamese_norm_chain(x, y, self.post_norm1, self.pre_norm1, self.input_norm1, self.recompute_norms)
+        else:
+            x = self.post_norm1(x)
+            h = self.input_norm1(x + self.pre_norm1(y))
+        z = self.drop_path(self.sublayer1(h, ctx))
+        x, y = x.add(z, alpha=1.0 / self.depth_scale), y + z
+        if not torch.jit.is_scripting():
+            x, h = siamese_norm_chain(x, y, self.post_norm2, self.pre_norm2, self.input_norm2, self.recompute_norms)
+        else:
+            x = self.post_norm2(x)
+            h = self.input_norm2(x + self.pre_norm2(y))
+        z = self.drop_path(self.sublayer2(h, ctx))
+        return x.add(z, alpha=1.0 / self.depth_scale), y + z
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, normalized_input={self.normalized_input}, "
+                f"depth_scale={self.depth_scale:.4f}, recompute_norms={self.recompute_norms}")
+
+
+TOPOLOGY_BLOCKS: Dict[str, Type[ResidualBlock]] = {
+    cls.topology: cls
+    for cls in (PreNormBlock, PostNormBlock, SiameseNormBlock, ResiDualBlock, SandwichBlock, DeepNormBlock)
+}
+
+
+@lru_cache(maxsize=None)
+def block_class(family: Type[ResidualBlock], topology: str) -> Type[ResidualBlock]:
+    """The block class of ``family`` (a model's sublayers) on ``topology``'s wiring, e.g.
+    ``SiameseNormDeiTBlock(DeiTBlock, SiameseNormBlock)``; one class per pair."""
+    base = TOPOLOGY_BLOCKS[check_topology(topology, BLOCK_TOPOLOGIES)]
+    name = base.__name__[: -len("Block")] + family.__name__
+    return type(name, (family, base), {"__module__": family.__module__, "__qualname__": name,
+                                        "__doc__": f"{family.__name__} on {base.__name__}: {base.__doc__}"})
+
+
+def build_block(family: Type[ResidualBlock], topology: str, *args, normalized_input: bool = True,
+                depth_scaling: bool = True, recompute_norms: bool = False, num_blocks: Optional[int] = None,
+                **kwargs) -> ResidualBlock:
+    """A ``family`` block on ``topology``; each topology option goes to the topology that reads it
+    (``normalized_input``, ``depth_scaling``, ``recompute_norms``: SiameseNorm; ``num_blocks``: DeepNorm)."""
+    options = {
+        "siamese": dict(normalized_input=normalized_input, depth_scaling=depth_scaling,
+                        recompute_norms=recompute_norms),
+        "deepnorm": dict(num_blocks=num_blocks),
+    }.get(topology, {})
+    return block_class(family, topology)(*args, **kwargs, **options)
 
 
 class SiameseFusion(nn.Module):
@@ -251,27 +424,41 @@ class SiameseFusion(nn.Module):
     ``final_norm=False`` drops ``LN_out`` (DiT, whose final layer normalises again).
     """
 
-    def __init__(self, dim: int, norm_layer: Callable[[int], nn.Module] = default_norm, final_norm: bool = True):
+    def __init__(self, dim: int, norm_layer: NormLayer = default_norm, final_norm: bool = True):
         super().__init__()
         self.norm_x = norm_layer(dim)
         self.norm_y = norm_layer(dim)
         self.norm_out = norm_layer(dim) if final_norm else nn.Identity()
 
-    def forward(self, state: Tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, state: Tuple[Tensor, Tensor], final_norm: bool = True) -> Tensor:
         x, y = state
-        return self.norm_out(self.norm_x(x) + self.norm_y(y))
+        h = self.norm_x(x) + self.norm_y(y)
+        return self.norm_out(h) if final_norm else h
 
 
 class ResiDualFusion(nn.Module):
     """ResiDual's output ``X + LN(Y)``: the Post-Norm stream plus the normalised accumulation."""
 
-    def __init__(self, dim: int, norm_layer: Callable[[int], nn.Module] = default_norm):
+    def __init__(self, dim: int, norm_layer: NormLayer = default_norm):
         super().__init__()
         self.norm_y = norm_layer(dim)
 
-    def forward(self, state: Tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, state: Tuple[Tensor, Tensor], final_norm: bool = True) -> Tensor:
+        """``final_norm`` is accepted for :func:`readout`; ResiDual has no final norm."""
         x, y = state
         return x + self.norm_y(y)
+
+
+def readout(fusion: nn.Module, state: StreamState, norm: bool = True) -> Tensor:
+    """The features ``fusion`` (the module :func:`build_fusion` made) reads from a stream state.
+
+    The fusion of a two-stream state, with its final norm (SiameseNorm's ``LN_out``) when ``norm``; a single
+    stream through ``fusion`` when ``norm``, else as it is. Applied to the state after block ``l``, it is what the
+    head would read if the network ended there.
+    """
+    if isinstance(state, tuple):
+        return fusion(state, final_norm=norm)
+    return fusion(state) if norm else state
 
 
 def build_fusion(
@@ -280,7 +467,7 @@ def build_fusion(
     *,
     last_block_topology: Optional[str] = None,
     final_norm: bool = True,
-    norm_layer: Callable[[int], nn.Module] = default_norm,
+    norm_layer: NormLayer = default_norm,
 ) -> nn.Module:
     """The module between the last block and the head.
 

@@ -6,7 +6,7 @@ a checkpoint says of it, live in one file so that the two cannot drift apart.)
 The network follows the official facebookresearch/DiT model file (same module names, same
 initialisation, same timestep and position embeddings), so the official checkpoints load into the
 Pre-Norm model unchanged. Only the block wiring differs between topologies, and that lives in
-:class:`common.residual.ResidualBlock`; a DiT block supplies the two sublayer functions
+:mod:`common.residual` (one class per topology); a DiT block supplies the two sublayers
 ``gate * attn(modulate(h, shift, scale))`` and ``gate * mlp(modulate(h, shift, scale))``, where ``h``
 is the block's non-affine input LayerNorm output (docs/method.md section 3):
 
@@ -53,6 +53,7 @@ from common.residual import (
     LN_EPS,
     ResidualBlock,
     block_topologies,
+    build_block,
     build_fusion,
     check_topology,
     deepnorm_init_,
@@ -147,20 +148,31 @@ class LabelEmbedder(nn.Module):
 
 
 class DiTBlock(ResidualBlock):
-    """A DiT block (attention + MLP, each adaLN-Zero modulated and gated) on a shared residual topology."""
+    """DiT's sublayers (attention and MLP, each adaLN-Zero modulated and gated) for a residual topology.
+
+    ``forward(state, c)`` computes the six modulation vectors from the conditioning ``c`` once and hands them to
+    the topology's update as the sublayers' ``ctx``. Build it on a topology with
+    :func:`common.residual.build_block`; ``**topology_options`` go to the topology.
+    """
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, layer_index: int = 0,
-                 topology: str = "pre", **residual_kwargs):
-        super().__init__(hidden_size, layer_index, topology, norm_layer=affine_layer_norm,
-                         input_norm_layer=plain_layer_norm, **residual_kwargs)
+                 **topology_options):
+        super().__init__(hidden_size, layer_index, norm_layer=affine_layer_norm, input_norm_layer=plain_layer_norm,
+                         **topology_options)
         self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=partial(nn.GELU, approximate="tanh"))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, state, c: Tensor):
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
-        state = self.residual(1, state, lambda h: gate1.unsqueeze(1) * self.attn(modulate(h, shift1, scale1)))
-        return self.residual(2, state, lambda h: gate2.unsqueeze(1) * self.mlp(modulate(h, shift2, scale2)))
+        return super().forward(state, self.adaLN_modulation(c))
+
+    def sublayer1(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
+        shift, scale, gate = ctx.chunk(6, dim=1)[:3]
+        return gate.unsqueeze(1) * self.attn(modulate(h, shift, scale))
+
+    def sublayer2(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
+        shift, scale, gate = ctx.chunk(6, dim=1)[3:]
+        return gate.unsqueeze(1) * self.mlp(modulate(h, shift, scale))
 
 
 class FinalLayer(nn.Module):
@@ -200,9 +212,8 @@ class DiT(nn.Module):
         topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual`` or ``deepnorm``.
         normalized_input, depth_scaling: SiameseNorm's ``LN_in`` and ``1/sqrt(2(l+1))`` (paper Table 3).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default a quarter of depth).
-        recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it: one stream
-            tensor per sublayer less activation memory, same results, up to 3% more CPU step time
-            (see :class:`common.residual.ResidualBlock`).
+        recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
+            (:class:`common.residual.SiameseNormBlock`).
     """
 
     def __init__(
@@ -247,9 +258,9 @@ class DiT(nn.Module):
         # parameter counts (which include it) match.
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList(
-            DiTBlock(hidden_size, num_heads, mlp_ratio, layer_index=i, topology=block_topology,
-                     normalized_input=normalized_input, depth_scaling=depth_scaling, num_blocks=depth,
-                     recompute_norms=recompute_norms)
+            build_block(DiTBlock, block_topology, hidden_size, num_heads, mlp_ratio, layer_index=i,
+                        normalized_input=normalized_input, depth_scaling=depth_scaling, num_blocks=depth,
+                        recompute_norms=recompute_norms)
             for i, block_topology in enumerate(self.block_topologies)
         )
         self.fusion = build_fusion(hidden_size, topology, last_block_topology=self.block_topologies[-1],

@@ -8,13 +8,15 @@ accelerator memory (GPU only) and parameter counts.
 ``--memory``: no timing; the activation memory of one forward, fp32 and bf16 autocast, eager and (with
 ``--compile``) compiled, and its ratio to the first variant.
 
-Variants are topologies (with the model's defaults), plus ``siamese-recompute`` and ``siamese-stored``:
-SiameseNorm with ``recompute_norms`` on and off (its norm chain recomputed in backward, or stored for it).
-Progress goes to stderr as it happens.
+Variants are topologies (with the model's defaults), plus ``siamese-fused`` and ``siamese-stored``:
+SiameseNorm with ``recompute_norms`` on and off (its norm chain fused into one autograd node that rebuilds the
+``LN_in`` input in backward, or the three norm modules, which store it). After the table, one line per variant
+gives its step-time and saved-activation ratios to the first variant side by side. Progress goes to stderr as
+it happens.
 
     python -m scripts.bench_block --model tiny --img-size 32 --patch-size 4 --batch-size 64 --threads 1
     python -m scripts.bench_block --model small --img-size 224 --patch-size 16 --batch-size 2 --memory \\
-        --topologies pre,siamese-recompute,siamese-stored --compile --compile-backend aot_eager_decomp_partition
+        --topologies pre,siamese-fused,siamese-stored --compile --compile-backend aot_eager_decomp_partition
     python -m scripts.bench_block --device cuda --dtype bfloat16 --batch-size 256     # GPU, paper size
 """
 from __future__ import annotations
@@ -43,12 +45,13 @@ def restart_clock() -> None:
     _START = time.perf_counter()
 
 
-SIAMESE_VARIANTS = {"siamese-recompute": True, "siamese-stored": False}
+SIAMESE_VARIANTS = {"siamese-fused": True, "siamese-stored": False}
 
 
 def variant_kwargs(variant: str) -> dict:
     """Model keyword arguments of a benchmark variant: a topology name (the model's defaults otherwise), or
-    ``siamese-recompute`` / ``siamese-stored`` (SiameseNorm with ``recompute_norms`` on / off)."""
+    ``siamese-fused`` / ``siamese-stored`` (SiameseNorm with ``recompute_norms`` on / off: the fused norm chain
+    or the three norm modules)."""
     if variant in SIAMESE_VARIANTS:
         return {"topology": "siamese", "recompute_norms": SIAMESE_VARIANTS[variant]}
     return {"topology": variant}
@@ -232,6 +235,12 @@ def print_report(results: Dict[str, dict], baseline: str = "pre", title: str = "
         act_ratio = r["activation_mb"] / base["activation_mb"] if base else float("nan")
         print(f"{name:<18} {r['median_ms']:>10.2f} {ratio:>8.3f} {r['cpu_ms']:>10.2f} {cpu_ratio:>8.3f} "
               f"{r['activation_mb']:>9.1f} {act_ratio:>8.3f} {r['peak_mem_mb']:>9.1f} {r['params']:>12,} {extra:>+9,}")
+    if base:
+        for name, r in results.items():
+            if name != baseline:
+                print(f"{name}/{baseline}: step time {r['median_ms'] / base['median_ms']:.3f} "
+                      f"(CPU time {r['cpu_ms'] / base['cpu_ms']:.3f}), "
+                      f"saved activations {r['activation_mb'] / base['activation_mb']:.3f}")
 
 
 def print_memory_report(results: Dict[str, Dict[str, float]], baseline: str = "pre", title: str = "") -> None:
@@ -242,6 +251,11 @@ def print_memory_report(results: Dict[str, Dict[str, float]], baseline: str = "p
     for name, r in results.items():
         base = results.get(baseline, r)
         print(f"{name:<18}" + "".join(f" {r[c]:>19.1f} {r[c] / base[c]:>8.3f}" for c in columns))
+    if baseline in results:
+        for name, r in results.items():
+            if name != baseline:
+                print(f"{name}/{baseline} saved activations: " + ", ".join(
+                    f"{c} {r[c] / results[baseline][c]:.3f}" for c in columns))
 
 
 def add_timing_args(parser: argparse.ArgumentParser, batch_size: int, steps: int, warmup: int) -> None:
@@ -300,7 +314,7 @@ def main(argv: Sequence[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(DEIT_SIZES), default="tiny", help="DeiT size")
     parser.add_argument("--topologies", default="pre,siamese,post",
-                        help="comma-separated variants (topologies, siamese-recompute, siamese-stored); "
+                        help="comma-separated variants (topologies, siamese-fused, siamese-stored); "
                              "the first is the baseline")
     parser.add_argument("--img-size", type=int, default=32)
     parser.add_argument("--patch-size", type=int, default=4)

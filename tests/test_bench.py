@@ -8,17 +8,18 @@ TINY_DIT = ["--models", "DiT-S/8", "--latent-size", "16", "--num-classes", "10",
 
 
 def test_bench_block_reports_every_variant_with_progress(capsys):
-    variants = "pre,siamese-recompute,siamese-stored,post"
+    variants = "pre,siamese-fused,siamese-stored,post"
     results = main(["--steps", "1", "--warmup", "0", "--topologies", variants, *TINY_DEIT])
-    assert set(results) == {"pre", "siamese-recompute", "siamese-stored", "post"}
-    assert results["siamese-recompute"]["params"] - results["pre"]["params"] == 19_200
-    assert results["siamese-stored"]["params"] == results["siamese-recompute"]["params"]
+    assert set(results) == {"pre", "siamese-fused", "siamese-stored", "post"}
+    assert results["siamese-fused"]["params"] - results["pre"]["params"] == 19_200
+    assert results["siamese-stored"]["params"] == results["siamese-fused"]["params"]
     # Siamese saves more for backward than Pre-Norm (two streams, six norms per block); storing its norm chain
-    # instead of recomputing it, more still.
+    # instead of fusing it, more still.
     act = {name: r["activation_mb"] for name, r in results.items()}
-    assert act["siamese-stored"] > act["siamese-recompute"] > act["pre"] > 0
+    assert act["siamese-stored"] > act["siamese-fused"] > act["pre"] > 0
     out, err = capsys.readouterr()
     assert "x pre" in out and "siamese-stored" in out and "cpu ms" in out
+    assert "siamese-fused/pre: step time" in out and "saved activations" in out
     assert "pre: ready" in err and "round 1/1" in err  # progress, on stderr, as it goes
 
 
@@ -30,17 +31,18 @@ def test_bench_block_memory_mode(capsys):
     assert results["pre"]["bfloat16 eager"] < results["pre"]["float32 eager"]
     out, err = capsys.readouterr()
     assert "float32 eager MB" in out and "parameters excluded" in out
+    assert "siamese/pre saved activations: float32 eager" in out
     assert "siamese bfloat16 eager" in err
 
 
 def test_bench_dit_reports_every_variant(capsys):
     from scripts.bench_dit import main as bench_dit
 
-    variants = "pre,siamese-recompute,siamese-stored"
+    variants = "pre,siamese-fused,siamese-stored"
     results = bench_dit([*TINY_DIT, "--steps", "1", "--warmup", "0", "--topologies", variants])["DiT-S/8"]
     assert results["siamese-stored"]["params"] - results["pre"]["params"] == 12 * 8 * 384 + 4 * 384
     act = {name: r["activation_mb"] for name, r in results.items()}
-    assert act["siamese-stored"] > act["siamese-recompute"] > act["pre"] > 0
+    assert act["siamese-stored"] > act["siamese-fused"] > act["pre"] > 0
     out, err = capsys.readouterr()
     assert "DiT-S/8" in out and "DiT-S/8" in err
 

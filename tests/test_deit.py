@@ -7,7 +7,7 @@ import torch
 
 import vision  # noqa: F401  (registers our models)
 from common.checkpoint import load_weights
-from common.residual import ResidualBlock, block_topologies
+from common.residual import ResidualBlock, block_topologies, build_block
 from tests.deit_reference import siamese_deit_forward
 
 SMALL = dict(img_size=32, patch_size=4, num_classes=10, embed_dim=48, depth=4, num_heads=3)
@@ -85,27 +85,8 @@ def test_depth_scale_per_block():
     assert [b.depth_scale for b in off.blocks] == [1.0] * 4
 
 
-@pytest.fixture
-def timm_without_block_index(monkeypatch):
-    """timm before 1.0.23 called ``block_fn`` without ``depth=i``: replay that on the installed timm."""
-    from timm.models import vision_transformer
-
-    original = vision_transformer.VisionTransformer.__init__
-
-    def init_without_depth(self, *args, block_fn=None, **kwargs):
-        def block_fn_old_timm(**block_kwargs):
-            block_kwargs.pop("depth", None)
-            return block_fn(**block_kwargs)
-
-        original(self, *args, block_fn=block_fn_old_timm, **kwargs)
-
-    monkeypatch.setattr(vision_transformer.VisionTransformer, "__init__", init_without_depth)
-
-
-@pytest.mark.parametrize("old_timm", [False, True])
-def test_block_indices_do_not_depend_on_timm_passing_them(old_timm, request):
-    if old_timm:
-        request.getfixturevalue("timm_without_block_index")
+def test_block_indices_come_from_timm():
+    """timm (>= 1.0.23) passes each block its index; it sets the depth scale and the Mix-LN topology."""
     siamese = timm.create_model("deit_tiny_siamese_patch16_224", **{**SMALL, "depth": 6})
     assert [b.layer_index for b in siamese.blocks] == list(range(6))
     assert [b.depth_scale for b in siamese.blocks] == pytest.approx([math.sqrt(2 * (l + 1)) for l in range(6)])
@@ -113,13 +94,28 @@ def test_block_indices_do_not_depend_on_timm_passing_them(old_timm, request):
     assert [b.topology for b in mixln.blocks] == ["post"] * 2 + ["pre"] * 6
 
 
+class OneSublayer(ResidualBlock):
+    """A block whose first sublayer is a linear map and whose second adds nothing."""
+
+    def __init__(self, dim, layer_index=0, **kwargs):
+        super().__init__(dim, layer_index, **kwargs)
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def sublayer1(self, h, ctx):
+        return self.linear(h)
+
+    def sublayer2(self, h, ctx):
+        return torch.zeros_like(h)
+
+
 def test_both_streams_receive_the_same_droppath_mask():
     torch.manual_seed(0)
-    block = ResidualBlock(16, layer_index=2, topology="siamese", drop_path=0.5).train()
+    block = build_block(OneSublayer, "siamese", 16, layer_index=2, drop_path=0.5).train()
     x, y = torch.randn(64, 5, 16), torch.randn(64, 5, 16)
-    sublayer = torch.nn.Linear(16, 16)
-    new_x, new_y = block.residual(1, (x, y), sublayer)
-    z_x = (new_x - block.post_norm1(x)) * block.depth_scale
+    after_first = []  # X after the first sublayer is what LN_post of the second reads
+    block.post_norm2.register_forward_hook(lambda m, args, out: after_first.append(args[0]))
+    _, new_y = block((x, y))
+    z_x = (after_first[0] - block.post_norm1(x)) * block.depth_scale
     z_y = new_y - y
     torch.testing.assert_close(z_x, z_y, rtol=1e-5, atol=1e-5)
     dropped = z_y.flatten(1).abs().sum(1) == 0

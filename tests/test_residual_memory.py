@@ -1,4 +1,5 @@
-"""SiameseNorm's recomputed norm chain (``recompute_norms``): same values and gradients, less saved for backward."""
+"""SiameseNorm's fused norm chain (``recompute_norms``): the same outputs, the same gradients to float32 round-off,
+less saved for backward, in eager mode and compiled."""
 import pytest
 import timm
 import torch
@@ -51,17 +52,18 @@ def output_and_grads(model, loss_fn, seed=0, run=None):
 
 
 def assert_same(a, b):
+    """Outputs bit for bit (the fused chain runs the norms' own kernels), every gradient to 1e-5 relative to its
+    norm (autograd sums the contributions to one tensor in another order)."""
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        assert torch.equal(grads_a[name], grads_b[name]), name
+    assert_grads_close(grads_a, [grads_b[n] for n in grads_b], list(grads_b), tol=1e-5)
 
 
 @pytest.mark.parametrize("variant", [{}, {"normalized_input": False}, {"depth_scaling": False},
                                      {"drop_path_rate": 0.5}])
 def test_deit_recompute_gives_identical_outputs_and_gradients(variant, images):
-    """Recomputing the chain runs the same kernels on the same inputs: bit-for-bit the stored path."""
+    """The fused chain against the three norm modules."""
     loss = lambda m: m(images).square().mean()  # noqa: E731
     assert_same(output_and_grads(deit(True, **variant), loss), output_and_grads(deit(False, **variant), loss))
 
@@ -80,13 +82,13 @@ def test_recompute_inside_block_checkpointing(images):
     assert_same(output_and_grads(nested, loss), output_and_grads(deit(False), loss))
 
 
-def assert_grads_close(grads, reference, names):
-    """Every gradient equals the re-statement's to 1e-5 relative to its norm (float32 round-off: the model
-    computes ``X + Z * (1/c)`` in one fused op where the re-statement divides, and uses fused attention; the
-    round-off is about 1e-6 and depends on the CPU's kernels)."""
+def assert_grads_close(grads, reference, names, tol=1e-5):
+    """Every gradient equals the reference's to ``tol`` relative to its norm (float32 round-off: the model computes
+    ``X + Z * (1/c)`` in one fused op where the re-statement divides, uses fused attention, and the fused chain
+    hands autograd the gradients of X and Y separately)."""
     for name, expected in zip(names, reference):
         got = grads[name]
-        assert ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item() <= 1e-5, name
+        assert ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item() <= tol, name
 
 
 def test_deit_gradients_equal_the_functional_restatement(images):
@@ -116,10 +118,10 @@ def stream_mb(model, batch, tokens):
 
 def test_recompute_keeps_one_stream_tensor_per_sublayer_more_than_pre_norm(images):
     """Eager, fp32, counted in stream tensors (batch x tokens x dim floats) against Pre-Norm, which keeps Y and
-    LN(Y) per sublayer. Recomputing, Siamese keeps X and Y (the sublayer keeps its input as in Pre-Norm): one
-    more, except in the first sublayer, where X is Y. Stored, it also keeps the sum X' + LN_pre(Y). Both keep
-    X and the sum in the output fusion LN_out(LN_x(X) + LN_y(Y)), and LayerNorm statistics (2 floats a token
-    per norm) where they differ from Pre-Norm's one norm per sublayer and the final norm."""
+    LN(Y) per sublayer. Fused, Siamese keeps X and Y (the sublayer keeps its input as in Pre-Norm): one more,
+    except in the first sublayer, where X is Y. Stored, it also keeps the sum X' + LN_pre(Y). Both keep X and the
+    sum in the output fusion LN_out(LN_x(X) + LN_y(Y)), and the statistics (2 floats a token) of every norm,
+    against Pre-Norm's one norm per sublayer and the final norm."""
     loss = lambda m, b: m(b).square().mean()  # noqa: E731
     off = torch.autocast("cpu", enabled=False)
     torch.manual_seed(0)
@@ -128,35 +130,29 @@ def test_recompute_keeps_one_stream_tensor_per_sublayer_more_than_pre_norm(image
     stream, stats = stream_mb(pre, 3, 65), 2 / DEIT["embed_dim"]
     sublayers, pre_norms = 2 * DEIT["depth"], 2 * DEIT["depth"] + 1
     extra = {rc: (saved_activation_mb(deit(rc), loss, images, off) - base) / stream for rc in (True, False)}
-    assert extra[True] == pytest.approx(sublayers - 1 + 2 + (3 - pre_norms) * stats, abs=1e-6)
+    assert extra[True] == pytest.approx(sublayers - 1 + 2 + (3 * sublayers + 3 - pre_norms) * stats, abs=1e-6)
     assert extra[False] == pytest.approx(2 * sublayers - 1 + 2 + (3 * sublayers + 3 - pre_norms) * stats, abs=1e-6)
 
 
-def test_compiled_training_graph_recomputes_the_whole_chain(images):
-    """Under torch.compile (min-cut partitioner, as inductor) the checkpointed chain is one graph, and the
-    partitioner recomputes the sublayer input as well: Siamese keeps no more than Pre-Norm per sublayer."""
+def test_compiled_fused_chain_equals_eager(images):
+    """torch.compile (inductor's forward/backward split, without code generation) traces the fused chain into
+    one graph: the same loss and gradients as eager to 1e-5, and no more kept for backward than eager keeps."""
     torch._dynamo.reset()
     loss = lambda m, b: m(b).square().mean()  # noqa: E731
-    kw = dict(DEIT, depth=2)
-    model = deit(True, **kw)
+    model = deit(True, depth=2)
     eager = output_and_grads(model, lambda m: loss(m, images))
     compiled = torch.compile(model, backend="aot_eager_decomp_partition", fullgraph=True)
     got = output_and_grads(model, lambda m: loss(m, images), run=compiled)
     torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-6)
-    for name, grad in eager[1].items():
-        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_grads_close(got[1], list(eager[1].values()), list(eager[1]))
     off = torch.autocast("cpu", enabled=False)
-    torch.manual_seed(0)
-    pre = timm.create_model("deit_tiny_siamese_patch16_224", topology="pre", **kw).train()
-    pre_mb = saved_activation_mb(pre, loss, images, off)
-    stream = stream_mb(pre, 3, 65)
-    assert saved_activation_mb(compiled, loss, images, off) <= pre_mb + 2.5 * stream
-    assert saved_activation_mb(model, loss, images, off) >= pre_mb + 2 * kw["depth"] * stream  # eager keeps X
+    assert saved_activation_mb(compiled, loss, images, off) <= saved_activation_mb(model, loss, images, off)
     torch._dynamo.reset()
 
 
-def test_no_recompute_without_autograd(images):
-    """Evaluation and sampling (no grad) run the chain once, with no checkpoint around it."""
+def test_norm_modules_run_without_autograd_and_the_fused_chain_with_it(images):
+    """Evaluation and sampling (no grad) run the three norm modules (their hooks fire); under autograd the fused
+    chain reads their parameters instead."""
     model = deit(True).eval()
     calls = []
     model.blocks[0].post_norm1.register_forward_hook(lambda *a: calls.append(1))
@@ -164,7 +160,8 @@ def test_no_recompute_without_autograd(images):
         model(images)
     assert calls == [1]
     model(images).sum().backward()
-    assert calls == [1, 1, 1]  # forward, then once more in backward
+    assert calls == [1]
+    assert model.blocks[0].post_norm1.weight.grad.abs().sum() > 0
 
 
 def test_state_dict_keys_do_not_depend_on_recompute():

@@ -1,5 +1,5 @@
-"""DeiT on the shared residual block; importing this registers our models with timm."""
-from vision import deit  # noqa: F401  (registers deit_*_{siamese,post,mixln}_patch16_224)
+"""DeiT on the shared residual topologies; importing this registers our models with timm."""
+from vision import deit  # noqa: F401  (registers vision.deit.MODEL_NAMES)
 from vision.deit import DeiTBlock, SiameseNormVisionTransformer
 
 __all__ = ["DeiTBlock", "SiameseNormVisionTransformer", "deit"]

@@ -1,48 +1,54 @@
-"""DeiT with a switchable residual topology (Pre-Norm, Post-Norm, Mix-LN, SiameseNorm), registered with timm.
+"""DeiT with a switchable residual topology (Pre-Norm, Post-Norm, Mix-LN, SiameseNorm, ...), registered with timm.
 
-The model is timm's :class:`~timm.models.vision_transformer.VisionTransformer` (patch embedding,
-position embedding, class token, pooling, head, weight init, pretrained loading) with its blocks
-replaced by :class:`DeiTBlock`, whose residual wiring is :class:`common.residual.ResidualBlock`.
+The model is timm's :class:`~timm.models.vision_transformer.VisionTransformer` (patch embedding, position
+embedding, class token, pooling, head, weight init, pretrained loading, feature extraction) with its blocks
+replaced by :class:`DeiTBlock` (timm's attention and MLP) on a residual topology of :mod:`common.residual`.
 
-After ``import vision`` these names exist in timm's registry::
+After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registry::
 
-    deit_{tiny,small,base}_{siamese,post,mixln}_patch16_224
+    deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt}_patch16_224
 
-Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here builds the same
-network with the same state-dict keys (tested equal to timm).
+Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here builds the same network with the
+same state-dict keys.
 """
-from __future__ import annotations
 
 from functools import partial
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.jit import Final
 from torch.utils.checkpoint import checkpoint
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, LayerNorm, LayerScale, Mlp, get_norm_layer
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
+from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from common.checkpoint import convert_state_dict
 from common.residual import (
+    TWO_STREAM_TOPOLOGIES,
     DyT,
     ResidualBlock,
+    StreamState,
     block_topologies,
+    build_block,
     build_fusion,
     check_topology,
     deepnorm_init_,
     init_streams,
+    readout,
 )
+
+Tensor = torch.Tensor
 
 
 class DeiTBlock(ResidualBlock):
-    """timm's ViT block (fused SDPA attention, MLP, optional LayerScale) on a shared residual topology.
+    """timm's ViT sublayers (fused SDPA attention, MLP, optional LayerScale) for a residual topology.
 
-    Accepts the keyword arguments timm's ``VisionTransformer`` passes to ``block_fn``. ``layer_index`` is the
-    0-based block index (it sets the Siamese depth scale and picks the block's topology from ``topologies``);
-    timm's own ``depth=i`` keyword is ignored because timm passes it only from 1.0.23 on
-    (:class:`_IndexedBlockFactory` counts the blocks instead).
+    ``F1(h) = ls1(attn(h, attn_mask))``, ``F2(h) = ls2(mlp(h))``. Takes the keyword arguments timm's
+    ``VisionTransformer`` passes to ``block_fn``; ``depth`` is the 0-based block index (timm's name for it).
+    Build it on a topology with :func:`common.residual.build_block`; ``**topology_options`` go to the topology.
     """
 
     def __init__(
@@ -63,28 +69,13 @@ class DeiTBlock(ResidualBlock):
         norm_layer=nn.LayerNorm,
         mlp_layer=Mlp,
         attn_layer=Attention,
-        depth: Optional[int] = None,
+        depth: int = 0,
         device=None,
         dtype=None,
-        *,
-        layer_index: int = 0,
-        topologies: Sequence[str] = ("siamese",),
-        normalized_input: bool = True,
-        depth_scaling: bool = True,
-        recompute_norms: bool = False,
+        **topology_options,
     ):
         dd = {"device": device, "dtype": dtype}
-        super().__init__(
-            dim,
-            layer_index=layer_index,
-            topology=topologies[layer_index] if len(topologies) > 1 else topologies[0],
-            normalized_input=normalized_input,
-            depth_scaling=depth_scaling,
-            recompute_norms=recompute_norms,
-            norm_layer=partial(norm_layer, **dd),
-            drop_path=drop_path,
-            num_blocks=len(topologies),
-        )
+        super().__init__(dim, depth, norm_layer=partial(norm_layer, **dd), drop_path=drop_path, **topology_options)
         self.attn = attn_layer(
             dim,
             num_heads=num_heads,
@@ -109,37 +100,39 @@ class DeiTBlock(ResidualBlock):
         )
         self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
 
-    def _attn(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ls1(self.attn(h))
+    def sublayer1(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
+        return self.ls1(self.attn(h, attn_mask=ctx))
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def sublayer2(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
         return self.ls2(self.mlp(h))
 
-    def forward(self, state):
-        state = self.residual(1, state, self._attn)
-        return self.residual(2, state, self._mlp)
 
+@torch.fx.wrap
+@register_notrace_function
+def attention_mask(x: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> Optional[Tensor]:
+    """The mask every attention sublayer gets; ``is_causal`` becomes a boolean lower-triangular mask.
 
-class _IndexedBlockFactory:
-    """``block_fn`` for timm's ``VisionTransformer``: builds :class:`DeiTBlock` ``i`` for the ``i``-th call.
-
-    timm creates the blocks in order, but tells a block its index (``depth=i``) only from 1.0.23 on; with an
-    older timm every block would silently be block 0 (Siamese ``c_l = sqrt(2)``, Mix-LN all Post-Norm).
+    A leaf for FX tracing (as timm's own mask helpers), since it branches on its arguments.
     """
+    if not is_causal:
+        return attn_mask
+    if attn_mask is not None:
+        raise ValueError("attn_mask and is_causal=True exclude each other, as in scaled_dot_product_attention")
+    return torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
 
-    def __init__(self, **block_kwargs):
-        self.block_kwargs = block_kwargs
-        self.built = 0
 
-    def __call__(self, **timm_kwargs) -> DeiTBlock:
-        timm_kwargs.pop("depth", None)
-        block = DeiTBlock(**timm_kwargs, layer_index=self.built, **self.block_kwargs)
-        self.built += 1
-        return block
+def deit_block(*, depth: int, topologies: Sequence[str], **kwargs) -> ResidualBlock:
+    """``block_fn`` for timm's ``VisionTransformer``: block ``depth`` on ``topologies[depth]``."""
+    return build_block(DeiTBlock, topologies[depth], depth=depth, num_blocks=len(topologies), **kwargs)
 
 
 class SiameseNormVisionTransformer(VisionTransformer):
     """timm ViT/DeiT whose blocks use a switchable residual topology.
+
+    For the two-stream topologies (SiameseNorm, ResiDual) the blocks pass on ``(X, Y)`` and ``norm`` is the
+    output fusion (:func:`common.residual.build_fusion`) the head reads. The intermediates of
+    :meth:`forward_intermediates` (and so ``features_only=True``) are :func:`common.residual.readout` of the
+    streams after each block: what the head would read if the network ended there.
 
     Args:
         topology: ``siamese`` (default), ``pre``, ``post``, ``mixln``, or a baseline: ``residual``
@@ -148,13 +141,14 @@ class SiameseNormVisionTransformer(VisionTransformer):
             Dynamic Tanh for every LayerNorm). See :mod:`common.residual`.
         normalized_input: SiameseNorm's ``LN_in`` (paper Table 3 "Normalized Input").
         depth_scaling: SiameseNorm's ``1/sqrt(2(l+1))`` on the ``X`` update (Table 3 "Depth-wise Scaling").
-        recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it: one stream
-            tensor per sublayer less activation memory, same results, up to 3% more CPU step time
-            (see :class:`common.residual.ResidualBlock`).
+        recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
+            (:class:`common.residual.SiameseNormBlock`).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default: a quarter of depth).
         **kwargs: every ``VisionTransformer`` argument (``img_size``, ``patch_size``, ``embed_dim``,
             ``depth``, ``num_heads``, ``drop_path_rate``, ``num_classes``, ...).
     """
+
+    two_stream: Final[bool]
 
     def __init__(
         self,
@@ -174,44 +168,135 @@ class SiameseNormVisionTransformer(VisionTransformer):
         if topology == "dyt":
             kwargs["norm_layer"] = DyT
         topologies = block_topologies(topology, depth, mixln_post_blocks)
-        block_fn = _IndexedBlockFactory(
-            topologies=topologies, normalized_input=normalized_input, depth_scaling=depth_scaling,
-            recompute_norms=recompute_norms,
-        )
+        block_fn = partial(deit_block, topologies=topologies, normalized_input=normalized_input,
+                           depth_scaling=depth_scaling, recompute_norms=recompute_norms)
         super().__init__(block_fn=block_fn, **kwargs)
-        if block_fn.built != depth:
-            raise RuntimeError(f"timm built {block_fn.built} blocks for depth={depth}; this timm version is not supported")
         self.topology = topology
         self.block_topologies = topologies
-        # timm made `norm` a LayerNorm (Identity when pooling uses fc_norm); swap in the stream fusion.
+        self.two_stream = topology in TWO_STREAM_TOPOLOGIES
+        # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
+        # cannot pass through Sequential.forward.
+        self.blocks = nn.ModuleList(self.blocks)
+        # timm builds `norm` as a LayerNorm (Identity when pooling uses fc_norm); the stream fusion takes its place.
         norm_layer = get_norm_layer(kwargs.get("norm_layer")) or LayerNorm
         self.norm = build_fusion(
             self.embed_dim,
             topology,
             last_block_topology=topologies[-1] if topologies else "pre",
             final_norm=not isinstance(self.norm, nn.Identity),
-            norm_layer=norm_layer,
+            norm_layer=partial(norm_layer, device=kwargs.get("device"), dtype=kwargs.get("dtype")),
         )
         if topology == "deepnorm":
             deepnorm_init_(self.blocks)
 
-    def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise NotImplementedError("attention masks are not supported by SiameseNormVisionTransformer")
+    def _embed(self, x: Tensor) -> Tensor:
         x = self.patch_embed(x)
         x = self._pos_embed(x)
         x = self.patch_drop(x)
-        x = self.norm_pre(x)
-        state = init_streams(x, self.topology)
-        for block in self.blocks:
-            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
+        return self.norm_pre(x)
+
+    def forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        """Embed, run the blocks, fuse the streams. ``attn_mask`` as SDPA takes it (boolean: True attends;
+        float: added to the scores), broadcast over batch and heads."""
+        x = self._embed(x)
+        attn_mask = attention_mask(x, attn_mask, is_causal)
+        checkpointing = self.grad_checkpointing and self.training
+        # Written twice because TorchScript types the state: (X, Y) in two-stream models, one tensor otherwise.
+        if self.two_stream:
+            state = (x, x)
+            for block in self.blocks:
+                if attn_mask is not None:
+                    state = block(state, attn_mask)
+                elif checkpointing and not torch.jit.is_scripting():
+                    state = checkpoint(block, state, use_reentrant=False)
+                else:
+                    state = block(state)
+            return self.norm(state)
+        else:
+            for block in self.blocks:
+                if attn_mask is not None:
+                    x = block(x, attn_mask)
+                elif checkpointing and not torch.jit.is_scripting():
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)
+            return self.norm(x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], Dict[str, object]]:
+        """timm's ``forward_intermediates``: the features after the blocks in ``indices`` (the last ``n`` for an
+        int, all for None), with timm's arguments and return forms.
+
+        The intermediate of block ``l`` is :func:`common.residual.readout` of its output state: the stream itself
+        for single-stream topologies (through the final norm with ``norm=True``); for SiameseNorm the output
+        fusion applied to ``(X_l, Y_l)``, ``LN_x(X_l) + LN_y(Y_l)``, and with ``norm=True`` ``LN_out`` of that,
+        exactly what the head would read if the network ended at block ``l``; for ResiDual ``X_l + LN(Y_l)``
+        (it has no final norm). The final features are :meth:`forward_features`' (of the last block run, with
+        ``stop_early``).
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be NCHW or NLC, got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        batch, _, height, width = x.shape
+        tokens = self._embed(x)
+        attn_mask = attention_mask(tokens, attn_mask, is_causal)
+        state: StreamState = init_streams(tokens, self.topology)
+        intermediates = []
+        for i, block in enumerate(self.blocks[: max_index + 1] if stop_early else self.blocks):
+            if attn_mask is not None:
+                state = block(state, attn_mask)
+            elif self.grad_checkpointing and self.training:
                 state = checkpoint(block, state, use_reentrant=False)
             else:
                 state = block(state)
-        return self.norm(state)
+            if i in take_indices:
+                intermediates.append(readout(self.norm, state, norm))
 
-    def forward_intermediates(self, *args, **kwargs):
-        raise NotImplementedError("forward_intermediates is not implemented for two-stream models; use forward_features")
+        prefix = [t[:, : self.num_prefix_tokens] for t in intermediates] if self.num_prefix_tokens else None
+        intermediates = [t[:, self.num_prefix_tokens:] for t in intermediates]
+        if output_fmt == "NCHW":
+            h, w = self.patch_embed.dynamic_feat_size((height, width))
+            intermediates = [t.reshape(batch, h, w, -1).permute(0, 3, 1, 2).contiguous() for t in intermediates]
+        if output_dict:
+            out = {"image_intermediates": intermediates}
+            if prefix is not None and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if not intermediates_only:
+                out["image_features"] = readout(self.norm, state)
+            return out
+        if return_prefix_tokens and prefix is not None:
+            intermediates = list(zip(intermediates, prefix))
+        if intermediates_only:
+            return intermediates
+        return readout(self.norm, state), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the blocks after the last of ``indices``; ``prune_norm`` drops the final norm (SiameseNorm's
+        ``LN_out``, so the features are the ``norm=False`` intermediate), ``prune_head`` the classifier."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            if self.topology == "siamese":
+                self.norm.norm_out = nn.Identity()
+            elif not self.two_stream:
+                self.norm = nn.Identity()
+        if prune_head:
+            self.fc_norm = nn.Identity()
+            self.reset_classifier(0, "")
+        return take_indices
 
     @staticmethod
     def convert_state_dict(state_dict: dict, model: Optional[nn.Module] = None) -> dict:
@@ -262,18 +347,18 @@ _SIZES = {
 }
 _TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt")
 
-default_cfgs = generate_default_cfgs(
-    {f"deit_{size}_{topo}_patch16_224": _cfg() for size in _SIZES for topo in _TOPOLOGIES}
-)
+MODEL_NAMES = tuple(f"deit_{size}_{topology}_patch16_224" for size in _SIZES for topology in _TOPOLOGIES)
+default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> SiameseNormVisionTransformer:
+    out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(
         SiameseNormVisionTransformer,
         variant,
         pretrained,
         pretrained_filter_fn=convert_deit_state_dict,
-        feature_cfg=dict(out_indices=3, feature_cls="getter"),
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
         **kwargs,
     )
 

@@ -1,0 +1,39 @@
+"""timm's own model tests (``tests/test_models.py`` of the installed timm's sdist, fetched from PyPI) on two of our
+DeiTs, the two-stream ones; ``make test-timm`` runs them on every registered model and timm's DeiT."""
+import json
+import os
+
+import pytest
+
+from scripts.timm_suite import fetch_timm_tests, run_suite
+
+SIAMESE, RESIDUAL = "deit_tiny_siamese_patch16_224", "deit_tiny_residual_patch16_224"
+# What a two-stream model could not do before: timm's feature API, TorchScript and FX.
+MUST_PASS = ("test_model_forward_intermediates", "test_model_forward_intermediates_features",
+             "test_model_forward_torchscript", "test_model_forward_fx", "test_model_backward_fx",
+             "test_model_default_cfgs_non_std", "test_model_forward", "test_model_backward")
+
+
+@pytest.fixture(scope="module")
+def timm_tests():
+    try:
+        return fetch_timm_tests()
+    except RuntimeError as error:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{error}\nunder CI the sdist must be fetched: it needs PyPI", pytrace=False)
+        pytest.skip(f"{error}")
+
+
+def test_timm_model_suite_passes_on_the_two_stream_models(timm_tests, tmp_path):
+    """Every test of timm's file that selects these models passes; the slow prune contract (unmarked in timm,
+    it prunes at every depth) runs on SiameseNorm only."""
+    summary = tmp_path / "summary.json"
+    done = run_suite([SIAMESE, RESIDUAL], ["-q", "-k", "not (residual and prune_intermediate_layers_contract)"],
+                     summary=summary)
+    counts = json.loads(summary.read_text())
+    assert set(counts) == {SIAMESE, RESIDUAL}
+    for model, result in counts.items():
+        assert result.get("failed", 0) == 0, (model, result["tests"])
+        assert all(result["tests"].get(test) == "passed" for test in MUST_PASS), (model, result["tests"])
+    assert counts[SIAMESE]["tests"]["test_prune_intermediate_layers_contract"] == "passed"
+    assert done.returncode == 0
