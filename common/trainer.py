@@ -1,4 +1,5 @@
-"""The training loop of both families, written once.
+"""The training loop of both families, written once. (Over 500 lines because the loop is one unit that reads top to
+bottom: its settings, the task contract, set-up, resume, the step, logging, checkpoints and the final outputs.)
 
 A *task* (:class:`vision.task.DeiTTask`, :class:`diffusion.task.DiTTask`) brings what is its own, through the
 small contract of :class:`Task`: the training examples, the model, the loss, the learning-rate schedule, and what
