@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from common.config import load_config
+from common.instrument import HostSyncCounter, count_step_syncs
 from common.trainer import Trainer
 from diffusion import train as dit_train
 from diffusion.task import DiTTask
-from scripts.gpu_check import HostSyncCounter
 from vision import train as deit_train
 from vision.task import DeiTTask
 
@@ -22,26 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
-def count_syncs_per_step(monkeypatch, cfg, task_cls):
-    """Run a training and count the host reads inside ``train_step`` of every step that is not a logging step."""
-    counts = {}
-    original = Trainer.train_step
-
-    def counted(self, batches):
-        logging_step = (self.step + 1) % self.run.log_every == 0 or self.step + 1 == self.total_steps
-        if logging_step:
-            return original(self, batches)
-        with HostSyncCounter() as counter:
-            original(self, batches)
-        counts[self.step + 1] = counter.reads
-
-    monkeypatch.setattr(Trainer, "train_step", counted)
-    Trainer(cfg, task_cls(cfg)).fit()
-    return counts
+def count_syncs_per_step(cfg, task_cls):
+    """Run a training and return the host reads inside ``train_step`` of every step that is not a logging step."""
+    with count_step_syncs(Trainer, cuda=False) as steps:
+        Trainer(cfg, task_cls(cfg)).fit()
+    return {step: s.project_reads for step, s in steps.items() if not s.logging}
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_deit_steps_never_wait_for_the_device(tmp_path, monkeypatch, clip):
+def test_deit_steps_never_wait_for_the_device(tmp_path, clip):
     # The recipe's pieces that touch a step: mixup/cutmix, drop path, EMA, label smoothing, grad accumulation.
     cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
         "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
@@ -49,16 +38,16 @@ def test_deit_steps_never_wait_for_the_device(tmp_path, monkeypatch, clip):
         "optim.batch_size=16", "optim.epochs=1", "optim.grad_accum=2", "train.log_every=3", "train.ema_decay=0.9",
         "model.drop_path=0.1", "augment.mixup=0.8", "augment.cutmix=1.0", f"optim.clip_grad={clip or 'null'}",
         f"train.output_dir={tmp_path}"])
-    counts = count_syncs_per_step(monkeypatch, cfg, DeiTTask)
+    counts = count_syncs_per_step(cfg, DeiTTask)
     assert sorted(counts) == [1, 2] and all(reads == [] for reads in counts.values()), counts
 
 
-def test_dit_steps_never_wait_for_the_device(tmp_path, monkeypatch):
+def test_dit_steps_never_wait_for_the_device(tmp_path):
     cfg = load_config(dit_train.TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml", [
         "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=1", "train.tensorboard=false",
         "data.max_samples=32", "optim.batch_size=8", "optim.steps=4", "train.log_every=4", "train.sample_every=0",
         f"train.output_dir={tmp_path}"])
-    counts = count_syncs_per_step(monkeypatch, cfg, DiTTask)
+    counts = count_syncs_per_step(cfg, DiTTask)
     assert sorted(counts) == [1, 2, 3] and all(reads == [] for reads in counts.values()), counts
 
 
