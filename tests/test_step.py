@@ -74,6 +74,34 @@ def test_a_skipped_step_leaves_the_ema_unchanged():
     torch.testing.assert_close(ema.module.weight, 0.9 * before + 0.1 * model.weight.detach(), rtol=0, atol=1e-6)
 
 
+def test_ema_update_equals_a_per_tensor_lerp_bit_for_bit():
+    """The EMA's update (lists taken once, one weight tensor) against a plain per-tensor restatement, over
+    parameters, float buffers and integer buffers, with skip 0, skip 1 and no skip, several steps in a row."""
+    from common.ema import ModelEma
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model.register_buffer("scale", torch.ones(5))
+    ema = ModelEma(model, decay=0.9)
+    want = {k: v.clone() for k, v in ema.state_dict().items()}
+    for step, skip in enumerate([0.0, 1.0, 0.0, None, 1.0, 0.0]):
+        model.train()(torch.randn(16, 4))  # moves BatchNorm's running statistics and step count
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model.scale.mul_(1.5)
+        ema.update(model, step, skip=None if skip is None else torch.tensor(skip))
+        weight = torch.tensor(1.0 - 0.9) if skip is None else (1.0 - torch.tensor(skip)) * (1.0 - 0.9)
+        for k, v in model.state_dict().items():
+            want[k] = torch.lerp(want[k], v, weight) if v.is_floating_point() else v.clone()
+        got = ema.state_dict()
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (step, k)
+    assert int(want["1.num_batches_tracked"]) == 6
+    assert not any(m is model for m in ema.modules())  # the cached model is not registered as a child
+
+
 def _grads(model):
     return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
