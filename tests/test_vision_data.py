@@ -416,25 +416,45 @@ def test_device_half_equals_the_cpu_transform_on_the_same_seeds():
     assert abs(noise.mean()) < 0.1 and abs(noise.std() - 1) < 0.1 and plain.shape == (3, 24, 24)
 
 
+def erase_every_pixel(x, boxes, mode):
+    """Reference: the noise of every pixel of every image computed, then kept inside each box (slot by slot)."""
+    b, c, h, w = x.shape
+    rows, cols = torch.arange(h).view(1, h, 1), torch.arange(w).view(1, 1, w)
+    index = torch.arange(c).view(c, 1, 1) if mode == "rand" else torch.arange(c * h * w).view(c, h, w)
+    for k in range(boxes.shape[1]):
+        top, left, height, width, seed = (v.view(b, 1, 1) for v in boxes[:, k].unbind(1))
+        inside = ((rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width))[:, None]
+        fill = torch.zeros(()) if mode == "const" else hashed_normal(seed.view(-1), k, index)
+        x = torch.where(inside, fill, x)
+    return x
+
+
 @pytest.mark.parametrize("mode", ["pixel", "rand", "const"])
-def test_erasing_on_cuda_masks_equals_the_cpu_boxes(mode):
-    """The masked whole-batch path (what CUDA runs, exercised here on the CPU) fills exactly what the per-box CPU
-    path fills; a sample's fill does not depend on the rest of the batch."""
+def test_erasing_computes_only_the_boxes_and_equals_every_pixel_noise(mode):
+    """The boxes-only fill equals the every-pixel reference bit for bit, with several (overlapping) boxes per sample
+    and samples without one; the host half's sizes give the same result as sizes read here; a sample's fill does
+    not depend on the rest of the batch; channels-last images (DALI's layout) are filled at the same places."""
     data, augment = recipe(input_size=16)
-    augment.re_mode, augment.re_count, augment.re_prob = mode, 3, 0.9
+    augment.re_mode, augment.re_count, augment.re_prob = mode, 3, 0.6
     worker = RandomErasingBoxes(augment.re_prob, mode, 3)
     device_half = NormalizeErase(data, augment)
-    device_half.chunk_elements = 3 * 16 * 16 * 3  # several chunks
     random.seed(0)
-    items = [worker(torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8)) for _ in range(10)]
+    items = [worker(torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8)) for _ in range(24)]
     uint8, boxes = torch.utils.data.default_collate(items)
-    per_box = device_half._erase_boxes(uint8.float(), boxes)
-    masked = device_half._erase_masked(uint8.float(), boxes)
-    torch.testing.assert_close(masked, per_box, rtol=0, atol=0)
+    has_box = boxes[:, :, 2] > 0
+    assert has_box.all(1).any() and (~has_box.any(1)).any()  # samples with three boxes and samples with none
+    plain = NormalizeErase(data, AugmentConfig())  # re_prob 0: normalisation only
+    want = erase_every_pixel(plain.images(uint8, boxes), boxes, mode)
+    assert torch.equal(device_half.images(uint8, boxes), want)
+    (moved, moved_boxes, sizes), _ = device_half.before_copy(((uint8, boxes), None))
+    assert sizes == tuple(int(3 * (boxes[:, k, 2] * boxes[:, k, 3]).sum()) for k in range(3))
+    assert torch.equal(device_half((((moved, moved_boxes, sizes)), None))[0], want)
     alone = device_half.images(uint8[3:4], boxes[3:4])
-    assert torch.equal(alone[0], device_half.images(uint8, boxes)[3])
+    assert torch.equal(alone[0], want[3])
+    channels_last = uint8.contiguous(memory_format=torch.channels_last)
+    assert torch.equal(device_half.images(channels_last, boxes), want)
     if mode == "const":
-        assert (per_box == 0).any()
+        assert (want == 0).any()
 
 
 def test_hashed_normal_is_standard_normal_and_addressable():

@@ -404,76 +404,86 @@ class NormalizeErase:
     (``x / 255``, ``- mean``, ``/ std``), so the unerased pixels are bit-identical. Inside each box the
     values follow timm's modes: ``pixel`` N(0, 1) per pixel, ``rand`` N(0, 1) per channel, ``const`` 0,
     drawn by :func:`hashed_normal` from the box's ``noise_seed``: a function of the sample seed, independent
-    of batch composition and device. On CUDA the boxes are applied as masks over the whole batch (no host
-    sync); on the CPU, where reading the boxes costs nothing, only the boxes' pixels are computed.
+    of batch composition and device. Only the boxes' values are computed, in one vectorised pass per box slot
+    whose length is the number of values the boxes fill: a host number, read from the boxes while they are on
+    the host (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher` runs before the copy), so the
+    device is never waited for.
     """
-
-    chunk_elements = 1 << 22  # CUDA: pixel noise is hashed for this many values at a time (bounded scratch)
 
     def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
         self.mean = torch.tensor(data.mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(data.std, dtype=torch.float32).view(1, -1, 1, 1)
         augment = augment or AugmentConfig()
         self.mode = augment.re_mode.lower()
-        self.erase = augment.re_prob > 0  # else every box is empty: skip the masks (on CUDA a whole-batch pass)
+        self.erase = augment.re_prob > 0  # else every box is empty: nothing to read or fill
         if self.mode not in ("pixel", "rand", "const"):
             raise ValueError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
         self._constants = {}
 
-    def __call__(self, batch):
+    def before_copy(self, batch):
+        """The host half: ``((images, boxes), targets) -> ((images, boxes, fill sizes), targets)``."""
         (images, boxes), targets = batch
-        return self.images(images, boxes), targets
+        return (images, boxes, self.fill_sizes(boxes, images.shape[1])), targets
 
-    def images(self, images: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch):
+        (images, boxes, *sizes), targets = batch
+        return self.images(images, boxes, *sizes), targets
+
+    def fill_sizes(self, boxes: torch.Tensor, channels: int) -> Tuple[int, ...]:
+        """Values each box slot fills over the batch (``channels x height x width`` summed over samples)."""
+        if not self.erase:
+            return (0,) * boxes.shape[1]
+        return tuple((boxes[:, :, 2] * boxes[:, :, 3]).sum(0).mul_(channels).tolist())
+
+    def images(self, images: torch.Tensor, boxes: torch.Tensor, sizes: Optional[Tuple[int, ...]] = None):
+        """Normalised, erased float images. ``sizes``: :meth:`fill_sizes`; computed here when the boxes are on the
+        host (on the device that would be a sync: pass them from :meth:`before_copy`)."""
         device = images.device
         if device not in self._constants:  # moved once, not per batch (a pageable copy can stall the host)
             self._constants[device] = (self.mean.to(device), self.std.to(device))
         mean, std = self._constants[device]
-        x = images.float().div(255).sub_(mean).div_(std)
+        x = torch.empty_like(images, dtype=torch.float32)
+        for part in self._chunks(len(x), x[0].numel(), device):
+            x[part].copy_(images[part]).div_(255).sub_(mean).div_(std)
         if not self.erase:
             return x
-        if device.type == "cpu":
-            return self._erase_boxes(x, boxes)
-        return self._erase_masked(x, boxes)
-
-    def _noise_index(self, c: int, h: int, w: int, rows=slice(None), cols=slice(None), device=None) -> torch.Tensor:
-        """Element numbers ``channel * h * w + row * w + col`` of the pixels to fill (one per channel for 'rand')."""
-        channel = torch.arange(c, device=device).view(c, 1, 1)
-        if self.mode == "rand":
-            return channel
-        rows = torch.arange(h, device=device)[rows].view(1, -1, 1)
-        return channel * (h * w) + rows * w + torch.arange(w, device=device)[cols].view(1, 1, -1)
-
-    def _erase_boxes(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-        c, h, w = x.shape[1:]
-        for i, sample in enumerate(boxes.tolist()):
-            for k, (top, left, height, width, seed) in enumerate(sample):
-                if height == 0:
-                    continue
-                rows, cols = slice(top, top + height), slice(left, left + width)
-                if self.mode == "const":
-                    x[i, :, rows, cols] = 0.0
-                else:
-                    index = self._noise_index(c, h, w, rows, cols)
-                    x[i, :, rows, cols] = hashed_normal(torch.tensor([seed]), k, index)[0]
+        if sizes is None:
+            sizes = self.fill_sizes(boxes.cpu(), x.shape[1])
+        if any(sizes) and boxes.device != device:
+            boxes = (boxes.pin_memory() if device.type == "cuda" else boxes).to(device, non_blocking=True)
+        for k, total in enumerate(sizes):
+            if total:
+                self._fill(x, boxes[:, k], k, total)
         return x
 
-    def _erase_masked(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def _fill(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
+        """Erase box slot ``slot`` of every sample: the ``total`` values its boxes cover, laid out box after box
+        (channel, row, column within a box), addressed by ``(sample, channel, row, column)`` index tensors."""
         b, c, h, w = x.shape
-        rows = torch.arange(h, device=x.device).view(1, h, 1)
-        cols = torch.arange(w, device=x.device).view(1, 1, w)
-        index = self._noise_index(c, h, w, device=x.device)
-        step = max(1, self.chunk_elements // index.numel())
-        for k in range(boxes.shape[1]):
-            top, left, height, width, seed = (v.view(b, 1, 1) for v in boxes[:, k].unbind(1))
-            inside = ((rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width))[:, None]
-            if self.mode == "const":
-                x = x.masked_fill(inside, 0.0)
-                continue
-            for i in range(0, b, step):
-                part = slice(i, i + step)
-                x[part] = torch.where(inside[part], hashed_normal(seed[part].view(-1), k, index), x[part])
-        return x
+        top, left, height, width, seed = boxes.unbind(1)
+        area = height * width
+        counts = area * c
+        sample = torch.repeat_interleave(torch.arange(b, device=x.device), counts, output_size=total)
+        offset = torch.arange(total, device=x.device) - (counts.cumsum(0) - counts)[sample]
+        area, width = area[sample], width[sample]
+        channel = offset // area
+        within = offset - channel * area
+        row, col = top[sample] + within // width, left[sample] + within % width
+        if self.mode == "const":
+            values = torch.zeros((), device=x.device)
+        else:
+            index = channel if self.mode == "rand" else (channel * h + row) * w + col
+            keys, values = _seed_key(seed, slot)[sample], torch.empty(total, device=x.device)
+            for part in self._chunks(total, 1, x.device):
+                values[part] = _normal_at(keys[part], index[part])
+        x.index_put_((sample, channel, row, col), values)
+
+    cpu_chunk_elements = 1 << 17  # CPU: values worked on at a time (cache-sized, no page faults of fresh memory)
+
+    def _chunks(self, count: int, size: int, device: torch.device):
+        """Slices of ``count`` items of ``size`` values: one on an accelerator, cache-sized pieces on the CPU."""
+        step = count if device.type != "cpu" else max(1, self.cpu_chunk_elements // size)
+        return [slice(i, i + step) for i in range(0, count, step)]
 
 
 _MASK32 = 0xFFFFFFFF
@@ -487,16 +497,24 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _seed_key(seeds: torch.Tensor, stream: int) -> torch.Tensor:
+    return _mix32((seeds.long() + 0x9E3779B9 * (stream + 1)) & _MASK32)
+
+
+def _normal_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Standard normal values at element numbers ``index`` of the streams ``key`` (broadcast together)."""
+    counter = 2 * index.to(key.device)
+    u1 = ((_mix32((key + counter) & _MASK32) >> 8).float() + 0.5) / 2**24
+    u2 = ((_mix32((key + counter + 1) & _MASK32) >> 8).float() + 0.5) / 2**24
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
+
+
 def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """Standard normal values ``(len(seeds), *index.shape)``: value ``[i, ...]`` is a function of ``seeds[i]``,
     ``stream`` and the element number in ``index`` alone (Box-Muller on hashed counters), so any subset of a
     sample's elements can be computed alone. torch has no per-sample seeded batched RNG; this gives each
     sample its own stream in one vectorised pass, the same on every device up to float rounding."""
-    key = _mix32((seeds.long() + 0x9E3779B9 * (stream + 1)) & _MASK32).view(-1, *([1] * index.dim()))
-    counter = 2 * index.to(seeds.device)[None]
-    u1 = ((_mix32((key + counter) & _MASK32) >> 8).float() + 0.5) / 2**24
-    u2 = ((_mix32((key + counter + 1) & _MASK32) >> 8).float() + 0.5) / 2**24
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
+    return _normal_at(_seed_key(seeds, stream).view(-1, *([1] * index.dim())), index[None])
 
 
 def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
