@@ -457,6 +457,27 @@ def test_erasing_computes_only_the_boxes_and_equals_every_pixel_noise(mode):
         assert (want == 0).any()
 
 
+@pytest.mark.parametrize("cutmix", [False, True])
+def test_pairwise_mixup_equals_timms_bit_for_bit(cutmix):
+    """The in-place pairwise batch mix gives timm's images and targets exactly, block by block and in one block."""
+    from timm.data import Mixup
+
+    from vision.data import PairwiseMixup
+
+    kw = dict(mixup_alpha=0.0 if cutmix else 0.8, cutmix_alpha=1.0 if cutmix else 0.0, label_smoothing=0.1,
+              num_classes=5)
+    images, targets = torch.randn(10, 3, 16, 16), torch.arange(10) % 5
+    np.random.seed(0)
+    want = Mixup(**kw)(images.clone(), targets)
+    for chunk in (3 * 16 * 16, 2 * 3 * 16 * 16, 10 ** 9):  # one pair, two pairs, the whole batch per block
+        mixup = PairwiseMixup(**kw)
+        mixup.cpu_chunk_elements = chunk
+        np.random.seed(0)
+        got = mixup(images.clone(), targets)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), chunk
+    assert not torch.equal(want[0], images)
+
+
 def test_hashed_normal_is_standard_normal_and_addressable():
     from scipy import stats
 

@@ -37,6 +37,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_augment, create_transform
+from timm.data.mixup import cutmix_bbox_and_lam
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 
@@ -517,11 +518,43 @@ def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torc
     return _normal_at(_seed_key(seeds, stream).view(-1, *([1] * index.dim())), index[None])
 
 
+class PairwiseMixup(Mixup):
+    """timm's ``Mixup``, its batch mode done a few pairs at a time in place: image ``i`` mixes with image
+    ``B - 1 - i`` (timm's flip) with timm's draws and arithmetic, so the images are timm's bit for bit, without a
+    flipped copy of the whole batch (on the CPU the pairs stay in cache; elsewhere one block is the whole batch)."""
+
+    cpu_chunk_elements = 1 << 17
+
+    def _mix_batch(self, x):
+        lam, use_cutmix = self._params_per_batch()
+        if lam == 1.:
+            return 1.
+        if use_cutmix:
+            (yl, yh, xl, xh), lam = cutmix_bbox_and_lam(x.shape, lam, ratio_minmax=self.cutmix_minmax,
+                                                        correct_lam=self.correct_lam)
+        n, half = len(x), len(x) // 2
+        step = half if x.device.type != "cpu" else max(1, self.cpu_chunk_elements // x[0].numel())
+        for i in range(0, half, step):
+            j = min(i + step, half)
+            a, b = x[i:j], x[n - j:n - i].flip(0)  # b: a copy, row k the partner of a's row k
+            if use_cutmix:
+                box = a[:, :, yl:yh, xl:xh].clone()
+                a[:, :, yl:yh, xl:xh] = b[:, :, yl:yh, xl:xh]
+                b[:, :, yl:yh, xl:xh] = box
+            else:
+                a_share = a * (1. - lam)
+                a.mul_(lam).add_(b * (1. - lam))
+                b.mul_(lam).add_(a_share)
+            x[n - j:n - i] = b.flip(0)
+        return lam
+
+
 def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
-    """timm ``Mixup`` when mixup or cutmix is on (it also applies label smoothing to the soft targets)."""
+    """timm's ``Mixup`` (:class:`PairwiseMixup`) when mixup or cutmix is on (it also applies label smoothing to
+    the soft targets)."""
     if augment.mixup <= 0 and augment.cutmix <= 0:
         return None
-    return Mixup(mixup_alpha=augment.mixup, cutmix_alpha=augment.cutmix, prob=augment.mixup_prob,
+    return PairwiseMixup(mixup_alpha=augment.mixup, cutmix_alpha=augment.cutmix, prob=augment.mixup_prob,
                  switch_prob=augment.mixup_switch_prob, mode=augment.mixup_mode,
                  label_smoothing=augment.label_smoothing, num_classes=num_classes)
 
