@@ -36,7 +36,7 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
 
     ``precision``: ``auto`` | ``fp32`` | ``bf16`` (autocast; weights and optimizer stay fp32).
     ``tensorboard``: log through accelerate's TensorBoard tracker into ``run_dir/tb``.
-    TF32 matmuls are enabled on CUDA (as DiT and timm do by default for fp32 training).
+    On CUDA, TF32 and cudnn's autotuner are enabled (:func:`use_fast_cuda_kernels`).
     """
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
@@ -48,10 +48,17 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
     cpu = cpu or not torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision=mixed, cpu=cpu, log_with="tensorboard" if use_tb else None,
                               project_config=project)
+    use_fast_cuda_kernels()
+    return accelerator
+
+
+def use_fast_cuda_kernels(deterministic: bool = False) -> None:
+    """On CUDA: TF32 matmuls and convolutions (as DiT and timm do), and cudnn's autotuner for the fixed shapes of a
+    run (VAE, Inception, patch embeddings) unless ``deterministic``: the autotuner may pick other kernels run to run."""
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return accelerator
+        torch.backends.cudnn.benchmark = not deterministic
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:

@@ -35,7 +35,8 @@ from common.checkpoint import bare_model, save_weights
 from common.cli import InputError, one_line_errors
 from common.config import config_from_cli, config_to_dict, flatten, save_config
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
-from common.distributed import build_accelerator, check_divisible, gather_objects, seed_everything
+from common.distributed import (build_accelerator, check_divisible, gather_objects, seed_everything,
+                                use_fast_cuda_kernels)
 from common.durable import atomic_write_text
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
@@ -166,6 +167,7 @@ class Trainer:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         if run.threads:
             torch.set_num_threads(run.threads)
+        use_fast_cuda_kernels(deterministic=run.deterministic)
         if run.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self._build()

@@ -49,6 +49,7 @@ import torch
 
 from common.checkpoint import CheckpointError, load_weights, read_file, weights_fingerprint
 from common.cli import InputError, one_line_errors
+from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_savez, atomic_write, atomic_write_text
 from common.metrics import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, MetricsError, images_to_uint8
 from diffusion.gaussian_diffusion import SPACINGS, GaussianDiffusion
@@ -609,9 +610,7 @@ def main(argv=None) -> Optional[dict]:
         build_diffusion(args, learn_sigma=True)  # a step count the spacing cannot give fails before any loading
         state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
         device = args.device or str(state.device)
-        if torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = True  # as DiT's sample.py
-            torch.backends.cudnn.allow_tf32 = True
+        use_fast_cuda_kernels()  # TF32 as DiT's sample.py, cudnn's autotuner for the VAE
         overrides = {"name": args.model, "topology": args.topology, "image_size": args.image_size,
                      "num_classes": args.num_classes, "autoencoder": args.vae}
         model, spec, args.weights_used = load_model(args.checkpoint, overrides, args.weights)
