@@ -4,6 +4,7 @@ import struct
 import warnings
 
 import numpy as np
+import PIL
 import pytest
 import torch
 from PIL import Image
@@ -118,8 +119,9 @@ def test_evaluation_counts_exactly_the_readable_images_and_names_the_others(tmp_
         damaged = evaluate(model, loader(), accelerator)
     assert damaged["images"] == without["images"] == intact["images"] - 1
     assert damaged["unreadable"] == 1 and damaged["unreadable_files"] == [str(broken)]
-    for key in ("top1", "top5", "loss"):
-        assert damaged[key] == pytest.approx(without[key], abs=1e-9), key
+    assert damaged["top1"] == without["top1"] and damaged["top5"] == without["top5"]
+    # float32 sums over other batchings of the same images (the placeholder changes the batches): a few ulps
+    assert damaged["loss"] == pytest.approx(without["loss"], rel=1e-6)
 
 
 def test_mixup_cutmix_targets_are_distributions():
@@ -210,8 +212,9 @@ def odd_folder(tmp_path_factory):
 
 def test_posterize_zero_bits_is_black_as_pillow_12_made_it():
     rgb = Image.fromarray(np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3) * 4)
-    with pytest.raises(ValueError, match="bits must be"):
-        ImageOps.posterize(rgb, 0)  # Pillow 13; the reason for the wrapper
+    if int(PIL.__version__.split(".")[0]) >= 13:  # the reason for the wrapper; Pillow <= 12 returns black
+        with pytest.raises(ValueError, match="bits must be"):
+            ImageOps.posterize(rgb, 0)
     assert not np.asarray(posterize_keeping_bits(rgb, 0)).any()
     for bits in range(0, 9):  # Pillow <= 12's arithmetic: keep the `bits` high bits
         want = np.asarray(rgb) & (~(2 ** (8 - bits) - 1) & 0xFF)
