@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def module_at(rev: str, path: str, name: str):
     """The module at ``path`` as it was at git revision ``rev``, imported under ``name``."""
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout
     file = Path(tempfile.mkdtemp()) / Path(path).name
     file.write_text(source)
     spec = importlib.util.spec_from_file_location(name, file)
@@ -118,7 +119,8 @@ def bench_ema(before: str, rounds: int, model_name: str, width: int) -> dict:
     medians, _ = alternate({"before": lambda: was.update(model, skip=skip), "now": lambda: now.update(model, skip=skip)},
                            rounds, "ema")
     assert all(torch.equal(a, b) for a, b in zip(was.state_dict().values(), now.state_dict().values()))
-    out = {"model": f"{model_name} siamese" + (f" at width {width}" if width else ""), "lerped tensors": n, "ms": {k: 1e3 * v for k, v in medians.items()},
+    out = {"model": f"{model_name} siamese" + (f" at width {width}" if width else ""), "lerped tensors": n,
+           "ms": {k: 1e3 * v for k, v in medians.items()},
            "before / now": medians["before"] / medians["now"]}
     print(f"ema ({out['model']}, {n} tensors): now {1e3 * medians['now']:.1f} ms, before "
           f"{1e3 * medians['before']:.1f} ms: {out['before / now']:.2f}x")

@@ -117,8 +117,8 @@ class CpuClock:
 def run(name: str, command: list, env: dict) -> tuple:
     """Run one trainer; returns its output and the wall time at which each of its steps ended, with a
     :class:`CpuClock` of it. timm's per-step log lines are stamped as they arrive (its logger flushes each)."""
-    proc = subprocess.Popen(command, cwd=env["PYTHONPATH"].split(os.pathsep)[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+    proc = subprocess.Popen(command, cwd=env["PYTHONPATH"].split(os.pathsep)[0], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
     clock = CpuClock(proc.pid)
     lines, stamps = [], []
     for line in proc.stdout:

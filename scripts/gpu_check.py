@@ -9,13 +9,14 @@ or later. The parts, in the order they run (the most telling first):
 
 1. ``trainer``: the real trainers as a CUDA user runs them by default (``Trainer``: accelerate, bf16 autocast,
    ``torch.compile``, fused AdamW, EMA, the device prefetcher) on generated data: DiT-B/2 at batch 256 and DeiT-S
-   at batch 256, SiameseNorm, then Pre-Norm if time allows; ``train/images_per_s`` read from their
-   ``metrics.jsonl`` (the windows after the first, which compiles), and MFU: that rate times the training FLOPs
+   at batch 256, SiameseNorm (Pre-Norm: ``trainer_pre``, the last part); ``train/images_per_s`` read from
+   their ``metrics.jsonl`` (the windows after the first, which compiles), and MFU: that rate times the training FLOPs
    of one image (forward and backward, counted by ``torch.utils.flop_counter`` on the model) over the GPU's dense
    bf16 peak (:data:`PEAK_BF16`);
 2. ``step_time``: forward, backward and the trainer's fused AdamW, Pre-Norm vs SiameseNorm, each variant built,
    timed and freed alone (so its peak memory is its own): time, peak memory, activation memory and their ratios;
-   DeiT-S/224 at batch 128, DiT-B/2 (32x32x4 latents) at batch 64; eager, and compiled when time allows;
+   DeiT-S/224 at batch 128, DiT-B/2 (32x32x4 latents) at batch 64; eager (``--compiled-step-time``: also
+   compiled, when the budget allows);
 3. ``host_syncs``: per training step of both trainers (eager, the recipes' own settings), the device values the
    host reads from project code and the synchronisations CUDA's sync-debug mode reports; logging steps (which
    read on purpose) and the first ``--sync-warmup`` steps (one-time copies of constants, compilation) are left
@@ -52,12 +53,12 @@ from typing import Callable, Dict, Sequence
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling")
+PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre")
 # Dense bf16 tensor-core peaks (FLOP/s) by device name; MFU is null on other devices.
 PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.1e12, "A10G": 70e12, "L4": 121e12}
 # Seconds each piece takes on an H200 (measured runs round up); --tiny divides them by TINY_SPEEDUP.
-ESTIMATE_S = {"trainer run": 110, "step_time eager": 60, "step_time compiled": 240, "host_syncs": 60,
-              "data_feed": 40, "sampling": 60}
+ESTIMATE_S = {"trainer run": 90, "step_time eager": 40, "step_time compiled": 240, "host_syncs": 45,
+              "data_feed": 30, "sampling": 45}
 TINY_SPEEDUP = 4
 
 
@@ -124,12 +125,13 @@ def training_flops_per_image(model: torch.nn.Module, inputs: tuple) -> float:
     return counter.get_total_flops() / len(inputs[0])
 
 
-def trainer_runs(workdir: Path, tiny: bool, plan: Plan, out: dict, save: Callable[[], None]) -> dict:
+def trainer_runs(workdir: Path, tiny: bool, plan: Plan, out: dict, save: Callable[[], None],
+                 topology: str = "siamese") -> dict:
     """The real trainers, compiled, bf16 on CUDA; each run's images/s from its metrics.jsonl and its MFU."""
     from common.config import load_config
     from common.trainer import Trainer
 
-    runs = [("DiT-B/2", "siamese"), ("DeiT-S", "siamese"), ("DiT-B/2", "pre"), ("DeiT-S", "pre")]
+    runs = [("DiT-B/2", topology), ("DeiT-S", topology)]
     batch, windows, every = (8, 3, 2) if tiny else (256, 4, 5)
     steps = windows * every
     for family, topology in runs:
@@ -170,8 +172,8 @@ def trainer_runs(workdir: Path, tiny: bool, plan: Plan, out: dict, save: Callabl
         model, device = trainer.model, trainer.accelerator.device
         if family == "DiT-B/2":
             n = model.input_size
-            inputs = (torch.randn(2, model.in_channels, n, n, device=device), torch.randint(0, 1000, (2,), device=device),
-                      torch.randint(0, model.num_classes, (2,), device=device))
+            inputs = (torch.randn(2, model.in_channels, n, n, device=device),
+                      torch.randint(0, 1000, (2,), device=device), torch.randint(0, model.num_classes, (2,), device=device))
         else:
             inputs = (torch.randn(2, 3, cfg.data.input_size, cfg.data.input_size, device=device),)
         flops = training_flops_per_image(model, inputs)
@@ -204,7 +206,7 @@ def trainer_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return build_optimizer(model, OptimConfig(weight_decay=0.05), lr=1e-4)
 
 
-def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], None]) -> dict:
+def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], None], compiled_too: bool) -> dict:
     import timm
 
     import vision  # noqa: F401  (registers the DeiT topologies)
@@ -230,8 +232,8 @@ def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], Non
         "DiT-B/2 b64": ({t: (lambda t=t: DiT_models["DiT-B/2"](input_size=size, topology=t, **dit_kw))
                          for t in ("pre", "siamese")}, lambda: dit_batch(2 if tiny else 64, size, 4, 1000), dit_loss),
     }
-    modes = [False] + ([True] if plan.fits("step_time compiled") else [])
-    if len(modes) == 1:
+    modes = [False] + ([True] if compiled_too and plan.fits("step_time compiled") else [])
+    if compiled_too and len(modes) == 1:
         out["compiled"] = {"skipped": plan.reason("step_time compiled")}
     dtype = torch.bfloat16 if device.type == "cuda" else None
     for compiled in modes:
@@ -321,8 +323,9 @@ def data_feed(workdir: Path, device, tiny: bool) -> dict:
     workers, prefetch = resolve_num_workers(data.num_workers), 2  # the DataLoader's default prefetch factor
     head_start = max(2 * workers * prefetch, 2)  # batches the workers may hold ready when the clock starts, twice
     timed = 4 if tiny else max(100, 5 * workers * prefetch)
-    sampler = ResumableSampler(len(task.train_set), seed=0, repeats=cfg.augment.repeated_aug,
-                               epoch_samples=(head_start + timed + 1) * batch)
+    needed = (head_start + timed + 1) * batch  # one epoch, so no epoch boundary drains the workers mid-measurement
+    repeats = max(cfg.augment.repeated_aug, math.ceil(needed / len(task.train_set)))  # each repeat a new draw
+    sampler = ResumableSampler(len(task.train_set), seed=0, repeats=repeats, epoch_samples=needed)
     batches = iter(task.build_feed(sampler, batch, device))
     for _ in range(head_start):
         next(batches)
@@ -416,7 +419,7 @@ def _json_safe(value):
 
 
 def print_table(results: dict) -> None:
-    for label, r in results.get("trainer", {}).items():
+    for label, r in {**results.get("trainer", {}), **results.get("trainer_pre", {})}.items():
         if "images_per_s" in r:
             mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
             print(f"== trainer {label}: {r['images_per_s']:.0f} images/s{mfu} (data wait {r['data_wait']:.0%})")
@@ -436,7 +439,8 @@ def print_table(results: dict) -> None:
     if "images_per_s" in results.get("sampling", {}):
         r = results["sampling"]
         print(f"== sampling: {r['images_per_s']:.1f} images/s (250 steps, batch {r['batch']}); Inception "
-              f"{r['inception_images_per_s']:.0f} images/s; FID-50K about {r['fid50k_minutes_one_gpu']:.0f} min on one GPU")
+              f"{r['inception_images_per_s']:.0f} images/s; FID-50K about {r['fid50k_minutes_one_gpu']:.0f} min on one "
+              "GPU")
     for name, status in results.get("parts", {}).items():
         if status["status"] != "done":
             print(f"== {name}: {status['status']}: {status.get('reason', '')}")
@@ -449,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
     p.add_argument("--budget-s", type=float, default=None, help="plan the parts to this many seconds (default: all)")
     p.add_argument("--sync-warmup", type=int, default=2, help="first steps left out of the host-sync counts")
+    p.add_argument("--compiled-step-time", action="store_true",
+                   help="also time the compiled steps in step_time (the trainer part already runs compiled)")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the tests' smoke run
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -479,10 +485,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "trainer": ("trainer run", lambda: trainer_runs(workdir, args.tiny, plan, results.setdefault("trainer", {}),
                                                            save)),
             "step_time": ("step_time eager", lambda: step_times(device, args.tiny, plan,
-                                                                results.setdefault("step_time", {}), save)),
+                                                                results.setdefault("step_time", {}), save,
+                                                                args.compiled_step_time)),
             "host_syncs": ("host_syncs", lambda: host_syncs(workdir, args.tiny, args.sync_warmup)),
             "data_feed": ("data_feed", lambda: data_feed(workdir, device, args.tiny)),
             "sampling": ("sampling", lambda: sampling(workdir, device, args.tiny)),
+            "trainer_pre": ("trainer run", lambda: trainer_runs(workdir, args.tiny, plan,
+                                                               results.setdefault("trainer_pre", {}), save, "pre")),
         }
         for name in args.only or PARTS:
             piece, run = jobs[name]

@@ -98,6 +98,7 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
         raise ImportError("No module named 'diffusers'")
 
     monkeypatch.setattr(gpu_check, "sampling", broken)
-    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "sampling", "data_feed", "--out", str(tmp_path / "x.json")])
+    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "sampling", "data_feed",
+                              "--out", str(tmp_path / "x.json")])
     assert results["parts"]["sampling"]["status"] == "failed" and "diffusers" in results["parts"]["sampling"]["reason"]
     assert results["parts"]["data_feed"]["status"] == "done" and results["data_feed"]["images_per_s"] > 0

@@ -405,10 +405,10 @@ class NormalizeErase:
     (``x / 255``, ``- mean``, ``/ std``), so the unerased pixels are bit-identical. Inside each box the
     values follow timm's modes: ``pixel`` N(0, 1) per pixel, ``rand`` N(0, 1) per channel, ``const`` 0,
     drawn by :func:`hashed_normal` from the box's ``noise_seed``: a function of the sample seed, independent
-    of batch composition and device. Only the boxes' values are computed, in one vectorised pass per box slot
-    whose length is the number of values the boxes fill: a host number, read from the boxes while they are on
-    the host (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher` runs before the copy), so the
-    device is never waited for.
+    of batch composition and device. Only the boxes' values are computed: on the CPU box by box, elsewhere in
+    one vectorised pass per box slot whose length is the number of values the boxes fill, a host number read
+    from the boxes while they are on the host (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher`
+    runs before the copy), so the device is never waited for.
     """
 
     def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
@@ -458,8 +458,26 @@ class NormalizeErase:
         return x
 
     def _fill(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
-        """Erase box slot ``slot`` of every sample: the ``total`` values its boxes cover, laid out box after box
-        (channel, row, column within a box), addressed by ``(sample, channel, row, column)`` index tensors."""
+        """Erase box slot ``slot`` of every sample. On the CPU, where the boxes are host numbers, box by box
+        through slices; elsewhere :meth:`_fill_vectorised`, a fixed number of kernels whatever the boxes."""
+        if x.device.type != "cpu":
+            return self._fill_vectorised(x, boxes, slot, total)
+        c, h, w = x.shape[1:]
+        for image, (top, left, height, width, seed) in zip(x, boxes.tolist()):
+            if not height:
+                continue
+            region = image[:, top: top + height, left: left + width]
+            if self.mode == "const":
+                region.zero_()
+                continue
+            channel = torch.arange(c).view(c, 1, 1)
+            rows, cols = torch.arange(top, top + height).view(1, -1, 1), torch.arange(left, left + width).view(1, 1, -1)
+            index = channel if self.mode == "rand" else (channel * h + rows) * w + cols
+            region.copy_(_normal_at(_seed_key(torch.tensor(seed), slot), index).expand_as(region))
+
+    def _fill_vectorised(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
+        """The ``total`` values the slot's boxes cover, laid out box after box (channel, row, column within a
+        box), computed in one pass and written through ``(sample, channel, row, column)`` index tensors."""
         b, c, h, w = x.shape
         top, left, height, width, seed = boxes.unbind(1)
         area = height * width
@@ -474,12 +492,10 @@ class NormalizeErase:
             values = torch.zeros((), device=x.device)
         else:
             index = channel if self.mode == "rand" else (channel * h + row) * w + col
-            keys, values = _seed_key(seed, slot)[sample], torch.empty(total, device=x.device)
-            for part in self._chunks(total, 1, x.device):
-                values[part] = _normal_at(keys[part], index[part])
+            values = _normal_at(_seed_key(seed, slot)[sample], index)
         x.index_put_((sample, channel, row, col), values)
 
-    cpu_chunk_elements = 1 << 17  # CPU: values worked on at a time (cache-sized, no page faults of fresh memory)
+    cpu_chunk_elements = 1 << 17  # CPU: values normalised at a time (cache-sized, no page faults of fresh memory)
 
     def _chunks(self, count: int, size: int, device: torch.device):
         """Slices of ``count`` items of ``size`` values: one on an accelerator, cache-sized pieces on the CPU."""
