@@ -434,9 +434,10 @@ def erase_every_pixel(x, boxes, mode):
 
 @pytest.mark.parametrize("mode", ["pixel", "rand", "const"])
 def test_erasing_computes_only_the_boxes_and_equals_every_pixel_noise(mode):
-    """The boxes-only fill equals the every-pixel reference bit for bit, with several (overlapping) boxes per sample
-    and samples without one; the host half's sizes give the same result as sizes read here; a sample's fill does
-    not depend on the rest of the batch; channels-last images (DALI's layout) are filled at the same places."""
+    """Both boxes-only fills (the CPU's box by box, the accelerators' vectorised one) equal the every-pixel reference
+    bit for bit, with several (overlapping) boxes per sample and samples without one; the host half's sizes give
+    the same result as sizes read here; a sample's fill does not depend on the rest of the batch; channels-last
+    images (DALI's layout) are filled at the same places."""
     data, augment = recipe(input_size=16)
     augment.re_mode, augment.re_count, augment.re_prob = mode, 3, 0.6
     worker = RandomErasingBoxes(augment.re_prob, mode, 3)
@@ -448,7 +449,12 @@ def test_erasing_computes_only_the_boxes_and_equals_every_pixel_noise(mode):
     assert has_box.all(1).any() and (~has_box.any(1)).any()  # samples with three boxes and samples with none
     plain = NormalizeErase(data, AugmentConfig())  # re_prob 0: normalisation only
     want = erase_every_pixel(plain.images(uint8, boxes), boxes, mode)
-    assert torch.equal(device_half.images(uint8, boxes), want)
+    assert torch.equal(device_half.images(uint8, boxes), want)  # the CPU's box-by-box fill
+    vectorised = plain.images(uint8, boxes)  # what an accelerator runs, here on the CPU
+    for k, total in enumerate(device_half.fill_sizes(boxes, 3)):
+        if total:
+            device_half._fill_vectorised(vectorised, boxes[:, k], k, total)
+    assert torch.equal(vectorised, want)
     (moved, moved_boxes, sizes), _ = device_half.before_copy(((uint8, boxes), None))
     assert sizes == tuple(int(3 * (boxes[:, k, 2] * boxes[:, k, 3]).sum()) for k in range(3))
     assert torch.equal(device_half((((moved, moved_boxes, sizes)), None))[0], want)
