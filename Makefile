@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-timm setup data bench gpu-check clean
+.PHONY: demo test test-timm test-floor setup data bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -27,13 +27,24 @@ test: $(STAMP) data
 # register and on timm's deit_tiny_patch16_224; a table of passed/failed per model at the end.
 test-timm: $(STAMP)
 	$(PY) -m scripts.timm_suite
+# The suite against the oldest versions pyproject.toml allows: every dependency pinned to its floor (pip picks the
+# rest), in its own environment. FLOOR_PYTHON: the oldest Python it allows (3.10) where one is installed.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PYTHON ?= $(PYTHON)
+test-floor: data
+	test -x $(FLOOR_VENV)/bin/python || $(FLOOR_PYTHON) -m venv $(FLOOR_VENV)
+	$(PYTHON) scripts/floor_pins.py > $(FLOOR_VENV)/floor.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -r $(FLOOR_VENV)/floor.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(FLOOR_VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench_block
 
-# The GPU figures (step time, memory, host syncs, data feed, sampling), about 8 minutes on one GPU; fails cleanly without one.
+# The GPU figures (the real trainers' images/s and MFU, step time, memory, host syncs, data feed, sampling), part
+# by part into runs/gpu_check.json (docs/benchmarks.md); fails cleanly without a GPU.
 gpu-check: $(STAMP)
 	$(PY) -m scripts.gpu_check --out runs/gpu_check.json
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache

@@ -25,7 +25,9 @@ Feeding the device::
     for batch in DevicePrefetcher(loader, device, transform=batch_transform): ...
 
 :class:`DevicePrefetcher` copies each batch to the device one batch ahead (a side CUDA stream) and runs an
-optional batch transform there, e.g. :class:`vision.data.NormalizeErase` on uint8 images.
+optional batch transform there, e.g. :class:`vision.data.NormalizeErase` on uint8 images; a transform's
+``before_copy(batch)``, where it has one, runs on the host batch first (reading what the host already holds
+costs no sync).
 """
 from __future__ import annotations
 
@@ -395,7 +397,8 @@ class DevicePrefetcher:
     """Batches of ``loader`` on ``device``, the next one already moving while the current one is used.
 
     Every tensor of a batch (tuples and lists are walked) is copied with ``non_blocking=True``; ``transform``
-    (optional) then runs on the device batch, e.g. normalisation and random erasing of uint8 images. On CUDA
+    (optional) then runs on the device batch, e.g. normalisation and random erasing of uint8 images (its
+    ``before_copy``, if it has one, on the host batch before the copy). On CUDA
     the copy and the transform of batch ``n + 1`` are queued on a side stream before batch ``n`` is handed out
     (what timm's ``PrefetchLoader`` does); the compute stream waits for that stream, and ``record_stream``
     tells the caching allocator that the compute stream uses the memory. On any other device it is the plain
@@ -420,6 +423,9 @@ class DevicePrefetcher:
             iterator._shutdown_workers()
 
     def _prepare(self, batch):
+        host_half = getattr(self.transform, "before_copy", None)  # host work the transform needs no device for
+        if host_half is not None:
+            batch = host_half(batch)
         batch = _to_device(batch, self.device)
         return self.transform(batch) if self.transform is not None else batch
 

@@ -39,7 +39,7 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
     accelerate's trackers (``wandb``, ``mlflow``, ...).
     ``timeout_minutes``: how long a collective may wait (a dead or stuck rank) before the process group fails.
     DDP keeps gradients as views of its all-reduce buckets (no copy, less memory); ``static_graph`` is DDP's.
-    TF32 matmuls are enabled on CUDA (as DiT and timm do by default for fp32 training).
+    On CUDA, TF32 and cudnn's autotuner are enabled (:func:`use_fast_cuda_kernels`).
     """
     from datetime import timedelta
 
@@ -56,10 +56,17 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
     cpu = cpu or not torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision=mixed, cpu=cpu, log_with=log_with,
                               project_config=project, kwargs_handlers=handlers)
+    use_fast_cuda_kernels()
+    return accelerator
+
+
+def use_fast_cuda_kernels(deterministic: bool = False) -> None:
+    """On CUDA: TF32 matmuls and convolutions (as DiT and timm do), and cudnn's autotuner for the fixed shapes of a
+    run (VAE, Inception, patch embeddings) unless ``deterministic``: the autotuner may pick other kernels run to run."""
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return accelerator
+        torch.backends.cudnn.benchmark = not deterministic
 
 
 SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")  # one process, or DDP over GPUs or CPU processes

@@ -36,6 +36,7 @@ class ModelEma(nn.Module):
             raise ValueError(f"EMA decay={decay} must lie in [0, 1)")
         self.ema = ModelEmaV3(bare_model(model), decay=decay, use_warmup=warmup, device=device)
         self.ema.module.requires_grad_(False)
+        self._cache = None  # (model, lists): a tuple, so nn.Module does not register the model as a child
 
     @property
     def module(self) -> nn.Module:
@@ -50,19 +51,29 @@ class ModelEma(nn.Module):
         """One EMA step towards ``model``. ``skip`` (a 0-d float tensor, 1 = skip) leaves the EMA unchanged for a
         step the optimizer skipped, decided on the device without a host sync."""
         decay = self.ema.get_decay(step if self.ema.use_warmup else None)
+        ema_values, model_values, ema_other, model_other = self._pairs(bare_model(model))
+        for ema_v, model_v in zip(ema_other, model_other):  # integer buffers (e.g. BatchNorm's step count)
+            ema_v.copy_(model_v)
         if skip is None:
-            return self.ema.apply_update_(bare_model(model), decay)
-        # timm's update takes a Python weight; a tensor weight would be read by the host (a sync), so the lerp with
-        # per-tensor weights (0 on a skipped step) is written here.
-        ema_values, model_values = [], []
-        for ema_v, model_v in zip(self.ema.module.state_dict().values(), bare_model(model).state_dict().values()):
-            if ema_v.is_floating_point():
-                ema_values.append(ema_v)
-                model_values.append(model_v)
-            else:
-                ema_v.copy_(model_v)
+            torch._foreach_lerp_(ema_values, model_values, 1.0 - decay)
+            return
+        # A Python weight would need the host to read ``skip`` (a sync), and no torch release (2.6 .. 2.14) has a
+        # _foreach_lerp_ overload taking one device tensor as the weight: the list overload gets that one tensor
+        # once per lerped tensor.
         weight = (1.0 - skip) * (1.0 - decay)
         torch._foreach_lerp_(ema_values, model_values, [weight] * len(ema_values))
+
+    def _pairs(self, model: nn.Module):
+        """``(ema floats, model floats, ema others, model others)``: the parameters and buffers of both models, by
+        state-dict order, taken once per model (the model's tensors stay the same objects while it trains)."""
+        if self._cache is None or self._cache[0] is not model:
+            ema = self.ema.module.state_dict(keep_vars=True).values()
+            pairs = list(zip(ema, model.state_dict(keep_vars=True).values()))
+            floats = [(e, m) for e, m in pairs if e.is_floating_point()]
+            others = [(e, m) for e, m in pairs if not e.is_floating_point()]
+            self._cache = (model, ([e for e, _ in floats], [m for _, m in floats], [e for e, _ in others],
+                                   [m for _, m in others]))
+        return self._cache[1]
 
     def state_dict(self, *args, **kwargs):
         return self.ema.module.state_dict(*args, **kwargs)

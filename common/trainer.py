@@ -39,7 +39,7 @@ from common.cli import InputError, one_line_errors
 from common.config import config_from_cli, config_to_dict, flatten, save_config, schema_defaults
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, gather_objects,
-                                rank_seed, seed_everything)
+                                rank_seed, seed_everything, use_fast_cuda_kernels)
 from common.durable import atomic_write_text
 from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
@@ -314,6 +314,7 @@ class Trainer:
         check_engine(accelerator, resolve_compile(run.compile, accelerator.device))
         if run.threads:
             torch.set_num_threads(run.threads)
+        use_fast_cuda_kernels(deterministic=run.deterministic)
         if run.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self._build()

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from common.checkpoint import weights_fingerprint
 from common.cli import one_line_errors
 from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
+from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_write_text
 from diffusion.latents import (
     DEFAULT_VAE,
@@ -224,6 +225,7 @@ def extract(args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    use_fast_cuda_kernels()  # the VAE encoder's convolutions: cudnn's autotuner
     with one_line_errors(ExtractionError):
         return extract(args)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from common.cli import one_line_errors
 from common.data import resolve_num_workers
+from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_write_text
 from diffusion.evaluation.evaluator import METRICS, compute_metrics
 from diffusion.evaluation.features import INCEPTION, FeatureExtractorError
@@ -136,6 +137,7 @@ def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, refer
 
 def main(argv=None, echo: bool = True) -> dict:
     args = parse_args(argv)
+    use_fast_cuda_kernels()  # Inception's convolutions: cudnn's autotuner
     with one_line_errors(MetricsError, FeatureExtractorError):
         result = run(args)
     text = json.dumps(result, indent=2)

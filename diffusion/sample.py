@@ -43,6 +43,7 @@ import torch
 
 from common.checkpoint import weights_fingerprint
 from common.cli import one_line_errors
+from common.distributed import use_fast_cuda_kernels
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.models import DIT_TOPOLOGIES, DiT_models, load_dit
 from diffusion.sampling import (PRECISIONS, SAMPLERS, Decoder, Sampler, SamplingError, class_names, write_grid,
@@ -150,9 +151,7 @@ def main(argv=None) -> Optional[dict]:
         check_args(args)
         state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
         device = args.device or str(state.device)
-        if torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = True  # as DiT's sample.py
-            torch.backends.cudnn.allow_tf32 = True
+        use_fast_cuda_kernels()  # TF32 as DiT's sample.py, cudnn's autotuner for the VAE
         overrides = {"name": args.model, "topology": args.topology, "image_size": args.image_size,
                      "num_classes": args.num_classes, "autoencoder": args.vae}
         model, spec, args.weights_used = load_dit(args.checkpoint, overrides, args.weights)

@@ -116,6 +116,8 @@ def time_train_steps(
     compile: bool = False,
     compile_backend: str = "inductor",
     log: Callable[[str], None] = progress,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    sequential: bool = False,
 ) -> Dict[str, dict]:
     """Median train-step time (ms), peak memory (MB) and parameter count of each model.
 
@@ -126,14 +128,28 @@ def time_train_steps(
     ``dtype`` (bf16/fp16) runs forward and loss under autocast, as training does. Variants are run
     in turns, one step each per round, after ``warmup`` untimed steps each. ``log`` receives a line
     per model built and warmed up, and one at least every 10 s while timing.
+
+    ``make_optimizer`` (default: foreach AdamW) builds each model's optimizer, e.g. the trainer's fused AdamW.
+    ``sequential``: each model is built, warmed up, timed and freed before the next is built, so its peak memory
+    is its own (in turns, every model and its optimizer state is alive while any of them runs).
     """
+    if sequential:
+        results = {}
+        for name, build in builders.items():
+            results.update(time_train_steps({name: build}, make_batch, loss_fn, steps, warmup, device, dtype, compile,
+                                            compile_backend, log, make_optimizer))
+            gc.collect()
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+        return results
     device = torch.device(device)
     models, optimizers = {}, {}
     times, cpu_times = {name: [] for name in builders}, {name: [] for name in builders}
     for name, build in builders.items():
         model = build().to(device).train()
         models[name] = torch.compile(model, backend=compile_backend) if compile else model
-        optimizers[name] = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+        optimizers[name] = (make_optimizer(model) if make_optimizer is not None
+                            else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05))
     batch = tuple(t.to(device) if torch.is_tensor(t) else t for t in make_batch())
     autocast = _autocast(device, dtype)
     peak, activations = {}, {}

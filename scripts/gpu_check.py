@@ -1,20 +1,37 @@
-"""`make gpu-check`: the GPU figures in one command, printed and written as JSON (about 8 minutes on one GPU).
+"""`make gpu-check`: the GPU figures in one command, printed and written as JSON part by part.
 
-    make gpu-check                                    # python -m scripts.gpu_check --out runs/gpu_check.json
-    python -m scripts.gpu_check --xl                  # also DiT-XL/2 at batch 32
-    python -m scripts.gpu_check --skip-compile        # eager only (compiling four models takes minutes)
+    make gpu-check                                              # python -m scripts.gpu_check --out runs/gpu_check.json
+    python3 -m scripts.gpu_check --budget-s 300 --out OUT.json  # what fits in 5 minutes, the rest named as skipped
+    python3 -m scripts.gpu_check --only data_feed sampling      # some parts
 
-What it measures, all under bf16 autocast:
+It runs from a checkout without installing it (``PYTHONPATH=.``, ``python3 -m scripts.gpu_check``), on torch 2.6
+or later. The parts, in the order they run (the most telling first):
 
-1. train-step time (forward, backward, AdamW), eager and ``torch.compile``d, peak memory and activation memory,
-   Pre-Norm vs SiameseNorm and their ratio: DeiT-S/224 at batch 128, DiT-B/2 (32x32x4 latents) at batch 64;
-2. host syncs per training step of both trainers, as users run them (the real ``Trainer`` on generated data):
-   device values read by the host from project code on non-logging steps, and the syncs CUDA's own
-   ``torch.cuda.set_sync_debug_mode("warn")`` reports;
-3. the DeiT data feed with the recipe's default workers (``configs/deit_recipe.yaml``): images/s delivered to
-   the GPU on ImageNet-sized JPEGs the script writes;
-4. sampling: DiT-B/2 images/s with 250 DDPM steps through an SD-VAE-sized decoder (random weights: the same
-   compute), and the FID-50K time that implies (sampling plus Inception features).
+1. ``trainer``: the real trainers as a CUDA user runs them by default (``Trainer``: accelerate, bf16 autocast,
+   ``torch.compile``, fused AdamW, EMA, the device prefetcher) on generated data: DiT-B/2 at batch 256 and DeiT-S
+   at batch 256, SiameseNorm (Pre-Norm: ``trainer_pre``, the last part); ``train/images_per_s`` read from
+   their ``metrics.jsonl`` (the windows after the first, which compiles), and MFU: that rate times the training FLOPs
+   of one image (forward and backward, counted by ``torch.utils.flop_counter`` on the model) over the GPU's dense
+   bf16 peak (:data:`PEAK_BF16`);
+2. ``step_time``: forward, backward and the trainer's fused AdamW, Pre-Norm vs SiameseNorm, each variant built,
+   timed and freed alone (so its peak memory is its own): time, peak memory, activation memory and their ratios;
+   DeiT-S/224 at batch 128, DiT-B/2 (32x32x4 latents) at batch 64; eager (``--compiled-step-time``: also
+   compiled, when the budget allows);
+3. ``host_syncs``: per training step of both trainers (eager, the recipes' own settings), the device values the
+   host reads from project code and the synchronisations CUDA's sync-debug mode reports; logging steps (which
+   read on purpose) and the first ``--sync-warmup`` steps (one-time copies of constants, compilation) are left
+   out and listed apart;
+4. ``data_feed``: the DeiT feed with the recipe's workers (``configs/deit_recipe.yaml``: auto), images/s in
+   steady state: the batches the workers had ready before the clock starts are taken first (workers x prefetch
+   x 2), then enough batches are timed to empty that head start many times over;
+5. ``sampling``: what ``diffusion.sample`` runs (fp32 with TF32 matmuls, no autocast): DiT-B/2 images/s with 250
+   DDPM steps through an SD-VAE-sized decoder (random weights: the same compute), and the FID-50K time that implies
+   (sampling plus Inception features). Needs diffusers and torch-fidelity.
+
+``--budget-s`` plans the parts to a time budget: a part (or a trainer run, or the compiled step times) whose
+estimate does not fit in what is left is skipped and named in ``parts`` with the reason; the JSON file is written
+after every part, so a part killed by an outer time limit leaves the others. A failing part is recorded with its
+error and the others still run.
 
 It stops with a clear message on a machine without a CUDA GPU (``--allow-cpu --tiny`` runs the same code on tiny
 models on a CPU; the tests use that).
@@ -23,49 +40,173 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_DIRS = tuple(str(ROOT / d) for d in ("common", "vision", "diffusion"))
+PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre")
+# Dense bf16 tensor-core peaks (FLOP/s) by device name; MFU is null on other devices.
+PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.1e12, "A10G": 70e12, "L4": 121e12}
+# Seconds each piece takes on an H200 (measured runs round up); --tiny divides them by TINY_SPEEDUP.
+ESTIMATE_S = {"trainer run": 90, "step_time eager": 40, "step_time compiled": 240, "host_syncs": 45,
+              "data_feed": 30, "sampling": 45}
+TINY_SPEEDUP = 4
 
 
 def log(message: str) -> None:
     print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-class HostSyncCounter(TorchDispatchMode):
-    """Counts the float/bool device values the host reads (``aten._local_scalar_dense``: ``.item()``, ``bool()``,
-    ``float()``, ``.tolist()``) from project code, by ``file:line``. On a GPU each such read waits for the device.
-
-    Integer reads are left out: on a CPU they cannot be told apart from host-side index bookkeeping (the sampler's
-    ``int(order[i])``); values that decide or report training (a loss, a norm, a finite flag) are float or bool.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and (args[0].is_floating_point()
-                                                                     or args[0].dtype == torch.bool):
-            frames = [f for f in traceback.extract_stack() if f.filename.startswith(PROJECT_DIRS)]
-            if frames:
-                self.reads.append(f"{frames[-1].filename}:{frames[-1].lineno}")
-        return func(*args, **(kwargs or {}))
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-# ------------------------------------------------------------------------------------------- step time
-def step_times(device, tiny: bool, compile_modes: Sequence[bool], xl: bool) -> dict:
+class Plan:
+    """The time budget: ``fits(piece)`` says whether the estimate of ``piece`` fits in what is left."""
+
+    def __init__(self, budget_s: float | None, tiny: bool):
+        self.start, self.budget_s, self.scale = time.perf_counter(), budget_s, 1 / TINY_SPEEDUP if tiny else 1.0
+
+    def left(self) -> float:
+        return math.inf if self.budget_s is None else self.budget_s - (time.perf_counter() - self.start)
+
+    def estimate(self, piece: str, count: int = 1) -> float:
+        return ESTIMATE_S[piece] * count * self.scale
+
+    def fits(self, piece: str, count: int = 1) -> bool:
+        return self.estimate(piece, count) <= self.left()
+
+    def reason(self, piece: str) -> str:
+        return f"budget: needs about {self.estimate(piece):.0f} s, {max(self.left(), 0):.0f} s left"
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def image_folder(workdir: Path, tiny: bool) -> Path:
+    """An ImageNet-layout folder (train/ and val/, two classes) of ImageNet-sized JPEGs, written once per check:
+    2048 training images (8 steps of DeiT at batch 256, with repeated augmentation)."""
+    from scripts.bench_data import write_jpegs
+
+    root = workdir / "images"
+    if not (root / "train").exists():
+        write_jpegs(root, 64 if tiny else 2048)  # root/train/class0, class1
+        write_jpegs(root, 8, seed=1, split="val")
+    return root
+
+
+def latent_folder(workdir: Path, tiny: bool) -> Path:
+    """DiT latents (4x32x32 moments), written once per check: 1024 (4 steps of DiT at batch 256)."""
+    from scripts.bench_data import write_latents
+
+    root = workdir / "latents"
+    if not root.exists():
+        write_latents(root, 64 if tiny else 1024, shard_size=64 if tiny else 1024)
+    return root
+
+
+# ---------------------------------------------------------------------------------------- 1. trainer
+def training_flops_per_image(model: torch.nn.Module, inputs: tuple) -> float:
+    """FLOPs of one forward and backward per image (matmuls, convolutions, attention: torch's flop counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        out = model(*inputs)
+        out.float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / len(inputs[0])
+
+
+def trainer_runs(workdir: Path, tiny: bool, plan: Plan, out: dict, save: Callable[[], None],
+                 topology: str = "siamese") -> dict:
+    """The real trainers, compiled, bf16 on CUDA; each run's images/s from its metrics.jsonl and its MFU."""
+    from common.config import load_config
+    from common.trainer import Trainer
+
+    runs = [("DiT-B/2", topology), ("DeiT-S", topology)]
+    batch, windows, every = (8, 3, 2) if tiny else (256, 4, 5)
+    steps = windows * every
+    for family, topology in runs:
+        label = f"{family} {topology} b{batch}"
+        if not plan.fits("trainer run"):
+            out[label] = {"skipped": plan.reason("trainer run")}
+            continue
+        log(f"trainer: {label}, {steps} steps, compiled")
+        started = time.perf_counter()
+        run_dir = workdir / "trainer" / label.replace("/", "").replace(" ", "_")
+        common = [f"optim.batch_size={batch}", f"train.log_every={every}", f"train.stop_at_step={steps}",
+                  f"train.ckpt_every={10 ** 9}", "train.compile=true", "train.tensorboard=false",
+                  f"train.output_dir={run_dir}"] + (["train.precision=fp32"] if not torch.cuda.is_available() else [])
+        if family == "DiT-B/2":
+            from diffusion.task import DiTTask as task_cls
+            from diffusion.train import TrainConfig as schema
+
+            recipe, data = "dit_b2_" + topology, [f"data.path={latent_folder(workdir, tiny)}",
+                                                  "data.autoencoder=none", "train.sample_every=0", "optim.steps=100000"]
+            data += ["model.kwargs={hidden_size: 48, depth: 2, num_heads: 3}", "data.num_workers=1"] if tiny else []
+        else:
+            from vision.task import DeiTTask as task_cls
+            from vision.train import TrainConfig as schema
+
+            recipe = "deit_small_" + topology
+            data = [f"data.path={image_folder(workdir, tiny)}",
+                    "data.num_classes=2", "train.eval_every=0", "optim.epochs=1000"]
+            data += ["model.kwargs={embed_dim: 48, depth: 2, num_heads: 3, patch_size: 8}", "data.input_size=32",
+                     "data.num_workers=1"] if tiny else []
+        torch._dynamo.reset()
+        cfg = load_config(schema, ROOT / "configs" / f"{recipe}.yaml", [*common, *data])
+        trainer = Trainer(cfg, task_cls(cfg))
+        trainer.fit()
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        windows_seen = [r for r in records if "train/images_per_s" in r]
+        steady = windows_seen[1:] or windows_seen
+        rate = statistics.median(r["train/images_per_s"] for r in steady)
+        model, device = trainer.model, trainer.accelerator.device
+        if family == "DiT-B/2":
+            n = model.input_size
+            inputs = (torch.randn(2, model.in_channels, n, n, device=device),
+                      torch.randint(0, 1000, (2,), device=device), torch.randint(0, model.num_classes, (2,), device=device))
+        else:
+            inputs = (torch.randn(2, 3, cfg.data.input_size, cfg.data.input_size, device=device),)
+        flops = training_flops_per_image(model, inputs)
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+        out[label] = {"images_per_s": rate, "windows": [r["train/images_per_s"] for r in windows_seen],
+                      "data_wait": statistics.median(r["train/data_wait"] for r in steady),
+                      "train_flops_per_image": flops, "peak_bf16_flops": peak,
+                      "mfu": rate * flops / peak if peak else None, "steps": steps, "log_every": every,
+                      "seconds": time.perf_counter() - started}
+        del trainer, model
+        _free()
+        save()
+    return out
+
+
+def _free():
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- 2. step time
+def trainer_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The trainer's fused AdamW (with DeiT's weight decay; the batch size plays no part in it)."""
+    from common.trainer import OptimConfig, build_optimizer
+
+    return build_optimizer(model, OptimConfig(batch_size=1, weight_decay=0.05), lr=1e-4)
+
+
+def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], None], compiled_too: bool) -> dict:
     import timm
 
     import vision  # noqa: F401  (registers the DeiT topologies)
@@ -82,146 +223,137 @@ def step_times(device, tiny: bool, compile_modes: Sequence[bool], xl: bool) -> d
         return torch.nn.functional.cross_entropy(model(images), labels)
 
     deit_kw = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3) if tiny else {}
-    cases = {"DeiT-S/224 b128": ({t: (lambda t=t: timm.create_model(
-        "deit_small_patch16_224" if t == "pre" else "deit_small_siamese_patch16_224", **deit_kw)) for t in ("pre", "siamese")},
-        deit_batch, deit_loss)}
-    dits = [("DiT-B/2", 64)] + ([("DiT-XL/2", 32)] if xl else [])
-    for name, b in dits:
-        size = 8 if tiny else 32
-        dit_kw = dict(hidden_size=48, depth=2, num_heads=3) if tiny else {}
-        cases[f"{name} b{b}"] = (
-            {t: (lambda t=t, name=name: DiT_models[name](input_size=size, topology=t, **dit_kw)) for t in ("pre", "siamese")},
-            lambda b=b, size=size: dit_batch(2 if tiny else b, size, 4, 1000), dit_loss)
-    out = {}
-    for label, (builders, make_batch, loss_fn) in cases.items():
-        for compiled in compile_modes:
+    dit_kw = dict(hidden_size=48, depth=2, num_heads=3) if tiny else {}
+    size = 8 if tiny else 32
+    cases = {
+        "DeiT-S/224 b128": ({t: (lambda t=t: timm.create_model(f"deit_small_{t}_patch16_224" if t != "pre" else
+                                                              "deit_small_patch16_224", **deit_kw))
+                             for t in ("pre", "siamese")}, deit_batch, deit_loss),
+        "DiT-B/2 b64": ({t: (lambda t=t: DiT_models["DiT-B/2"](input_size=size, topology=t, **dit_kw))
+                         for t in ("pre", "siamese")}, lambda: dit_batch(2 if tiny else 64, size, 4, 1000), dit_loss),
+    }
+    modes = [False] + ([True] if compiled_too and plan.fits("step_time compiled") else [])
+    if compiled_too and len(modes) == 1:
+        out["compiled"] = {"skipped": plan.reason("step_time compiled")}
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    for compiled in modes:
+        for label, (builders, make_batch, loss_fn) in cases.items():
             mode = "compiled" if compiled else "eager"
-            log(f"{label}, {mode}")
-            if compiled:
-                torch._dynamo.reset()
+            log(f"step time: {label}, {mode}, each variant alone")
+            torch._dynamo.reset()
             r = time_train_steps(builders, make_batch, loss_fn, steps=3 if tiny else 15, warmup=1 if tiny else 3,
-                                 device=device, dtype=torch.bfloat16, compile=compiled, log=log)
-            out[f"{label} {mode}"] = {**r, "siamese/pre time": r["siamese"]["median_ms"] / r["pre"]["median_ms"],
-                                      "siamese/pre peak memory": r["siamese"]["peak_mem_mb"] / r["pre"]["peak_mem_mb"],
-                                      "siamese/pre activations": r["siamese"]["activation_mb"] / r["pre"]["activation_mb"]}
+                                 device=device, dtype=dtype, compile=compiled, log=log,
+                                 make_optimizer=trainer_optimizer, sequential=True)
+            out[f"{label} {mode}"] = {
+                **r, "siamese/pre time": r["siamese"]["median_ms"] / r["pre"]["median_ms"],
+                "siamese/pre peak memory": r["siamese"]["peak_mem_mb"] / r["pre"]["peak_mem_mb"],
+                "siamese/pre activations": r["siamese"]["activation_mb"] / r["pre"]["activation_mb"]}
+            save()
+    out["precision"] = "bf16 autocast" if dtype else "fp32 (CPU)"
+    out["optimizer"] = "the trainer's fused AdamW (common.trainer.build_optimizer)"
     return out
 
 
-# ----------------------------------------------------------------------------------- syncs per step
-def write_image_folder(root: Path, count: int) -> None:
-    """An ImageNet-layout folder (train/ and val/, two classes) of ImageNet-sized JPEGs (scripts.bench_data's)."""
-    from scripts.bench_data import write_jpegs
-
-    write_jpegs(root, count)  # root/train/class0, class1
-    write_jpegs(root, 8, seed=1, split="val")
-
-
-def trainer_syncs(workdir: Path, tiny: bool) -> dict:
-    """Both trainers for a few steps on generated data; host reads counted on every non-logging step."""
+# ------------------------------------------------------------------------------------ 3. host syncs
+def host_syncs(workdir: Path, tiny: bool, warmup: int) -> dict:
+    """Both trainers for a few steps on generated data, their reads counted step by step."""
     from common.config import load_config
+    from common.instrument import count_step_syncs
     from common.trainer import Trainer
     from diffusion.task import DiTTask
     from diffusion.train import TrainConfig as DiTConfig
-    from scripts.bench_data import write_latents
     from vision.task import DeiTTask
     from vision.train import TrainConfig as DeiTConfig
 
-    write_image_folder(workdir / "images", 64)
-    write_latents(workdir / "latents", 64, shard_size=64)
-    size = 32 if tiny else 224
+    size, every, steps = (32, 4, 12) if tiny else (224, 5, 15)
     runs = {
         "vision.train (deit_small_siamese recipe)": (DeiTConfig, DeiTTask, "deit_small_siamese.yaml", [
-            f"data.path={workdir / 'images'}", "data.num_classes=2", f"data.input_size={size}", "data.num_workers=2",
-            "optim.batch_size=16", "optim.epochs=1", "train.log_every=4", "train.eval_every=0", "train.compile=false"]
-            + (["model.kwargs={embed_dim: 48, depth: 2, num_heads: 3, patch_size: 8}"] if tiny else [])),
+            f"data.path={image_folder(workdir, tiny)}", "data.num_classes=2", f"data.input_size={size}",
+            "optim.batch_size=16", "optim.epochs=1000", f"train.stop_at_step={steps}", "train.eval_every=0"]
+            + (["model.kwargs={embed_dim: 48, depth: 2, num_heads: 3, patch_size: 8}", "data.num_workers=1"]
+               if tiny else [])),
         "diffusion.train (dit_b2_siamese recipe)": (DiTConfig, DiTTask, "dit_b2_siamese.yaml", [
-            f"data.path={workdir / 'latents'}", "data.num_classes=1000", "data.autoencoder=none",
-            "train.sample_every=0", "data.num_workers=2", "optim.batch_size=16", "optim.steps=4", "train.log_every=4",
-            "train.compile=false"] + (["model.kwargs={hidden_size: 48, depth: 2, num_heads: 3}"] if tiny else [])),
+            f"data.path={latent_folder(workdir, tiny)}", "data.autoencoder=none", "train.sample_every=0",
+            "optim.batch_size=16", f"optim.steps={steps}"]
+            + (["model.kwargs={hidden_size: 48, depth: 2, num_heads: 3}", "data.num_workers=1"] if tiny else [])),
     }
     out = {}
-    original = Trainer.train_step
     for label, (schema, task_cls, recipe, overrides) in runs.items():
-        counts = {}
-
-        def counted(self, batches, counts=counts):
-            if (self.step + 1) % self.run.log_every == 0 or self.step + 1 == self.total_steps:
-                return original(self, batches)
-            with warnings.catch_warnings(record=True) as caught, HostSyncCounter() as counter:
-                warnings.simplefilter("always")
-                if torch.cuda.is_available():
-                    torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    original(self, batches)
-                finally:
-                    if torch.cuda.is_available():
-                        torch.cuda.set_sync_debug_mode("default")
-            cuda_syncs = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message).lower()]
-            counts[self.step + 1] = {"project_reads": counter.reads, "cuda_sync_warnings": cuda_syncs}
-
-        Trainer.train_step = counted
-        try:
-            cfg = load_config(schema, ROOT / "configs" / recipe,
-                              [*overrides, f"train.output_dir={workdir / recipe}", "train.tensorboard=true"])
-            log(f"{label}: {len(counts) or 'a few'} steps")
+        cfg = load_config(schema, ROOT / "configs" / recipe,
+                          [*overrides, f"train.log_every={every}", "train.compile=false", f"train.ckpt_every={10 ** 9}",
+                           "train.tensorboard=false", f"train.output_dir={workdir / 'syncs' / recipe}"])
+        log(f"host syncs: {label}, {steps} steps")
+        with count_step_syncs(Trainer) as steps_seen:
             Trainer(cfg, task_cls(cfg)).fit()
-        finally:
-            Trainer.train_step = original
-        out[label] = {"non-logging steps": len(counts),
-                      "project host reads per step": max(len(c["project_reads"]) for c in counts.values()),
-                      "cuda sync warnings per step": max(len(c["cuda_sync_warnings"]) for c in counts.values()),
-                      "where": sorted({r for c in counts.values() for r in c["project_reads"] + c["cuda_sync_warnings"]})}
+        counted = {s: r for s, r in steps_seen.items() if s > warmup and not r.logging}
+        left_out = {s: r for s, r in steps_seen.items() if s <= warmup or r.logging}
+        out[label] = {
+            "counted steps": sorted(counted),
+            "project host reads per step": {s: len(r.project_reads) for s, r in counted.items()},
+            "cuda syncs per step": {s: len(r.cuda_syncs) for s, r in counted.items()},
+            "max project host reads per step": max((len(r.project_reads) for r in counted.values()), default=0),
+            "max cuda syncs per step": max((len(r.cuda_syncs) for r in counted.values()), default=0),
+            "where": sorted({x for r in counted.values() for x in r.project_reads + r.cuda_syncs}),
+            "left out (warm-up and logging steps)": {
+                s: {"logging": r.logging, "project reads": len(r.project_reads), "cuda syncs": len(r.cuda_syncs),
+                    "where": sorted(set(r.project_reads + r.cuda_syncs))} for s, r in left_out.items()},
+        }
+    out["how"] = (f"steps 1..{warmup} (one-time copies of constants, compilation) and logging steps (every "
+                  f"{every}th, which read their window on purpose) are left out; the rest are counted one by one")
     return out
 
 
-# ------------------------------------------------------------------------------------------ data feed
+# ------------------------------------------------------------------------------------- 4. data feed
 def data_feed(workdir: Path, device, tiny: bool) -> dict:
-    """Images/s the DeiT feed delivers to the device with the recipe's default workers (no model)."""
-    from common.config import from_dict, read_yaml
-    from common.data import ResumableSampler
+    """Images/s the DeiT feed delivers to the device in steady state with the recipe's workers (no model)."""
+    from common.config import load_config
+    from common.data import ResumableSampler, resolve_num_workers
     from common.distributed import build_accelerator
-    from vision.data import AugmentConfig, DataConfig
     from common.trainer import task_feed
     from vision.task import DeiTTask, TrainConfig
 
-    write_image_folder(workdir / "feed", 128 if tiny else 2048)
-    recipe = read_yaml(ROOT / "configs" / "deit_recipe.yaml")
-    data = from_dict(DataConfig, {**recipe["data"], "path": str(workdir / "feed"), "num_classes": 2,
-                                  **({"input_size": 32, "num_workers": 2} if tiny else {})})
-    cfg = TrainConfig(data=data, augment=from_dict(AugmentConfig, recipe["augment"]))
+    folder = image_folder(workdir, tiny)
+    sizes = ["data.input_size=32", "data.num_workers=2"] if tiny else []
+    cfg = load_config(TrainConfig, ROOT / "configs" / "deit_small_siamese.yaml",
+                      [f"data.path={folder}", "data.num_classes=2", *sizes])
+    data = cfg.data
     task = DeiTTask(cfg)
     task.setup(build_accelerator("bf16" if torch.cuda.is_available() else "fp32", None, tensorboard=False))
-    batch = 32 if tiny else 128
-    sampler = ResumableSampler(len(task.train_set), seed=0, repeats=cfg.augment.repeated_aug)
-    feed = task_feed(task, sampler, batch, cfg.data.num_workers, device)
-    batches, warmup = iter(feed), 2
-    n = len(sampler) // batch
-    for _ in range(warmup):
+    batch = 8 if tiny else 128
+    workers, prefetch = resolve_num_workers(data.num_workers), 2  # the DataLoader's default prefetch factor
+    head_start = max(2 * workers * prefetch, 2)  # batches the workers may hold ready when the clock starts, twice
+    timed = 4 if tiny else max(100, 5 * workers * prefetch)
+    needed = (head_start + timed + 1) * batch  # one epoch, so no epoch boundary drains the workers mid-measurement
+    repeats = max(cfg.augment.repeated_aug, math.ceil(needed / len(task.train_set)))  # each repeat a new draw
+    sampler = ResumableSampler(len(task.train_set), seed=0, repeats=repeats, epoch_samples=needed)
+    batches = iter(task_feed(task, sampler, batch, data.num_workers, device))
+    for _ in range(head_start):
         next(batches)
+    _sync()
     start = time.perf_counter()
-    for i in range(warmup, n):
-        images, _ = next(batches)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for _ in range(timed):
+        next(batches)
+    _sync()
     elapsed = time.perf_counter() - start
-    return {"workers": data.num_workers, "batch": batch, "images_per_s": (n - warmup) * batch / elapsed,
-            "images": (n - warmup) * batch, "input_size": data.input_size}
+    return {"workers": workers, "prefetch_factor": prefetch, "batch": batch, "input_size": data.input_size,
+            "taken before the clock": head_start, "timed batches": timed, "images_per_s": timed * batch / elapsed}
 
 
-# ------------------------------------------------------------------------------------------- sampling
+# -------------------------------------------------------------------------------------- 5. sampling
 SD_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
               layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4,
               up_block_types=("UpDecoderBlock2D",) * 4, sample_size=256, scaling_factor=0.18215)
 
 
 def sampling(workdir: Path, device, tiny: bool) -> dict:
-    """DiT-B/2 + an SD-VAE-sized decoder (random weights) through diffusion.sample's Sampler; FID-50K estimate."""
+    """DiT-B/2 + an SD-VAE-sized decoder (random weights) through diffusion.sample's Sampler, fp32 as it runs."""
     from diffusers import AutoencoderKL
 
-    from diffusion.models import DiT_models
-    from diffusion.models import DiTSpec
+    from common.distributed import use_fast_cuda_kernels
+    from diffusion.models import DiT_models, DiTSpec
     from diffusion.sampling import Decoder, Sampler
 
+    use_fast_cuda_kernels()  # what diffusion.sample's main sets
     vae_dir = workdir / "vae"
     vae_kw = dict(SD_VAE, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=8) if tiny else SD_VAE
     AutoencoderKL(**vae_kw).save_pretrained(vae_dir)
@@ -229,30 +361,28 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     model = DiT_models["DiT-B/2"](input_size=size, **(dict(hidden_size=48, depth=2, num_heads=3) if tiny else {}))
     spec = DiTSpec.published("DiT-B/2", input_size=size, autoencoder=str(vae_dir))
     steps, measured_steps, batch = 250, 5 if tiny else 25, 4 if tiny else 125
-    diffusion = spec.diffusion(sampling_steps=steps)
-    sampler = Sampler(model.to(device).eval(), spec, Decoder(str(vae_dir), device), diffusion, device=str(device))
-    # Time a shortened chain (measured_steps of the 250) and the decode separately; scale the chain to 250.
-    short = spec.diffusion(sampling_steps=measured_steps)
+    sampler = Sampler(model.to(device).eval(), spec, Decoder(str(vae_dir), device),
+                      spec.diffusion(sampling_steps=steps), device=str(device))
+    # A shortened chain (measured_steps of the 250) and the decode timed apart; the chain scaled to 250.
+    sampler.diffusion = spec.diffusion(sampling_steps=measured_steps).to(device)
     indices, labels = torch.arange(batch), torch.arange(batch) % 1000
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        sampler.diffusion = short.to(device)
-        sampler(indices, labels)  # warm-up
-        _sync()
-        start = time.perf_counter()
-        sampler(indices, labels)
-        _sync()
-        short_s = time.perf_counter() - start
-        latents = torch.randn(batch, 4, size, size, device=device)
-        start = time.perf_counter()
-        sampler.decoder(latents)
-        _sync()
-        decode_s = time.perf_counter() - start
+    sampler(indices, labels)  # warm-up
+    _sync()
+    start = time.perf_counter()
+    sampler(indices, labels)
+    _sync()
+    short_s = time.perf_counter() - start
+    latents = torch.randn(batch, 4, size, size, device=device)
+    start = time.perf_counter()
+    sampler.decoder(latents)
+    _sync()
+    decode_s = time.perf_counter() - start
     chain_s = (short_s - decode_s) * steps / measured_steps
     per_image = (chain_s + decode_s) / batch
     inception_per_image = inception_seconds_per_image(workdir, device, tiny)
-    return {"model": "DiT-B/2 (random weights), cfg 1, bf16", "batch": batch, "steps": steps,
-            "images_per_s": 1.0 / per_image, "decode_share": decode_s / (chain_s + decode_s),
-            "inception_images_per_s": 1.0 / inception_per_image,
+    return {"model": "DiT-B/2 (random weights), cfg 1, fp32 (TF32 matmuls), as diffusion.sample runs",
+            "batch": batch, "steps": steps, "images_per_s": 1.0 / per_image,
+            "decode_share": decode_s / (chain_s + decode_s), "inception_images_per_s": 1.0 / inception_per_image,
             "fid50k_minutes_one_gpu": 50_000 * (per_image + inception_per_image) / 60}
 
 
@@ -275,39 +405,55 @@ def inception_seconds_per_image(workdir: Path, device, tiny: bool) -> float:
     return (time.perf_counter() - start) / len(images)
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # ------------------------------------------------------------------------------------------------ main
+def _json_safe(value):
+    """NaN (no GPU peak memory on a CPU) as null, which every JSON reader accepts."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def print_table(results: dict) -> None:
-    print("\n== train step, bf16 (ms, peak MB) ==")
+    for label, r in {**results.get("trainer", {}), **results.get("trainer_pre", {})}.items():
+        if "images_per_s" in r:
+            mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+            print(f"== trainer {label}: {r['images_per_s']:.0f} images/s{mfu} (data wait {r['data_wait']:.0%})")
     for label, r in results.get("step_time", {}).items():
-        print(f"  {label:28s} pre {r['pre']['median_ms']:8.1f} ms {r['pre']['peak_mem_mb']:9.0f} MB | siamese "
-              f"{r['siamese']['median_ms']:8.1f} ms {r['siamese']['peak_mem_mb']:9.0f} MB | ratio time "
-              f"{r['siamese/pre time']:.3f}, peak {r['siamese/pre peak memory']:.3f}, "
-              f"activations {r['siamese/pre activations']:.3f}")
+        if isinstance(r, dict) and "pre" in r:
+            print(f"== step {label:24s} pre {r['pre']['median_ms']:7.1f} ms {r['pre']['peak_mem_mb']:8.0f} MB | "
+                  f"siamese {r['siamese']['median_ms']:7.1f} ms {r['siamese']['peak_mem_mb']:8.0f} MB | ratio time "
+                  f"{r['siamese/pre time']:.3f}, peak {r['siamese/pre peak memory']:.3f}, "
+                  f"activations {r['siamese/pre activations']:.3f}")
     for label, r in results.get("host_syncs", {}).items():
-        print(f"== host syncs, {label}: {r['project host reads per step']} project reads and "
-              f"{r['cuda sync warnings per step']} CUDA sync warnings per non-logging step ({r['non-logging steps']} steps)")
-    if "data_feed" in results:
+        if isinstance(r, dict):
+            print(f"== host syncs, {label}: at most {r['max project host reads per step']} project reads and "
+                  f"{r['max cuda syncs per step']} CUDA syncs per step over steps {r['counted steps']}")
+    if "images_per_s" in results.get("data_feed", {}):
         r = results["data_feed"]
         print(f"== DeiT data feed: {r['images_per_s']:.0f} images/s with {r['workers']} workers ({r['input_size']} px)")
-    if "sampling" in results:
+    if "images_per_s" in results.get("sampling", {}):
         r = results["sampling"]
         print(f"== sampling: {r['images_per_s']:.1f} images/s (250 steps, batch {r['batch']}); Inception "
-              f"{r['inception_images_per_s']:.0f} images/s; FID-50K about {r['fid50k_minutes_one_gpu']:.0f} min on one GPU")
+              f"{r['inception_images_per_s']:.0f} images/s; FID-50K about {r['fid50k_minutes_one_gpu']:.0f} min on one "
+              "GPU")
+    for name, status in results.get("parts", {}).items():
+        if status["status"] != "done":
+            print(f"== {name}: {status['status']}: {status.get('reason', '')}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/gpu_check.json", help="JSON results file")
-    p.add_argument("--xl", action="store_true", help="also DiT-XL/2 at batch 32")
-    p.add_argument("--skip-compile", action="store_true", help="eager step times only")
-    p.add_argument("--only", nargs="+", choices=("step_time", "host_syncs", "data_feed", "sampling"),
-                   help="run only these parts")
+    p.add_argument("--out", default="runs/gpu_check.json", help="JSON results file (rewritten after every part)")
+    p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
+    p.add_argument("--budget-s", type=float, default=None, help="plan the parts to this many seconds (default: all)")
+    p.add_argument("--sync-warmup", type=int, default=2, help="first steps left out of the host-sync counts")
+    p.add_argument("--compiled-step-time", action="store_true",
+                   help="also time the compiled steps in step_time (the trainer part already runs compiled)")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # the tests' smoke run
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -316,25 +462,59 @@ def main(argv: Sequence[str] | None = None) -> dict:
               "False). Run it on a machine with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
         raise SystemExit(2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    parts = args.only or ["step_time", "host_syncs", "data_feed", "sampling"]
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__}
-    started = time.perf_counter()
+    plan = Plan(args.budget_s, args.tiny)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+               "python": sys.version.split()[0], "budget_s": args.budget_s, "parts": {}}
+    for module in ("timm", "accelerate", "diffusers", "torch_fidelity", "torchvision"):
+        try:
+            results[module] = __import__(module).__version__
+        except ImportError:
+            results[module] = None
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        results["wall_s"] = time.perf_counter() - plan.start
+        out.write_text(json.dumps(_json_safe(results), indent=2, default=str))
+
+    save()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        if "step_time" in parts:
-            results["step_time"] = step_times(device, args.tiny, (False,) if args.skip_compile else (False, True), args.xl)
-        if "host_syncs" in parts:
-            results["host_syncs"] = trainer_syncs(workdir / "syncs", args.tiny)
-        if "data_feed" in parts:
-            results["data_feed"] = data_feed(workdir, device, args.tiny)
-        if "sampling" in parts:
-            results["sampling"] = sampling(workdir, device, args.tiny)
-    results["wall_s"] = time.perf_counter() - started
+        jobs = {
+            "trainer": ("trainer run", lambda: trainer_runs(workdir, args.tiny, plan, results.setdefault("trainer", {}),
+                                                           save)),
+            "step_time": ("step_time eager", lambda: step_times(device, args.tiny, plan,
+                                                                results.setdefault("step_time", {}), save,
+                                                                args.compiled_step_time)),
+            "host_syncs": ("host_syncs", lambda: host_syncs(workdir, args.tiny, args.sync_warmup)),
+            "data_feed": ("data_feed", lambda: data_feed(workdir, device, args.tiny)),
+            "sampling": ("sampling", lambda: sampling(workdir, device, args.tiny)),
+            "trainer_pre": ("trainer run", lambda: trainer_runs(workdir, args.tiny, plan,
+                                                               results.setdefault("trainer_pre", {}), save, "pre")),
+        }
+        for name in args.only or PARTS:
+            piece, run = jobs[name]
+            if not plan.fits(piece):
+                results["parts"][name] = {"status": "skipped", "reason": plan.reason(piece)}
+                log(f"{name}: skipped ({plan.reason(piece)})")
+                save()
+                continue
+            started = time.perf_counter()
+            try:
+                results[name] = run()
+                results["parts"][name] = {"status": "done", "seconds": time.perf_counter() - started}
+            except ImportError as err:
+                results["parts"][name] = {"status": "failed", "reason": f"{err} (carry the missing wheels and put "
+                                                                        "them on PYTHONPATH: docs/benchmarks.md)"}
+            except Exception as err:  # one part's failure must not cost the others their figures
+                results["parts"][name] = {"status": "failed", "reason": f"{type(err).__name__}: {err}",
+                                          "traceback": traceback.format_exc()[-3000:]}
+            if results["parts"][name]["status"] == "failed":
+                log(f"{name}: failed: {results['parts'][name]['reason']}")
+            _free()
+            save()
     print_table(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
-    log(f"wrote {args.out} ({results['wall_s']:.0f} s)")
+    log(f"wrote {out} ({results['wall_s']:.0f} s)")
     return results
 
 

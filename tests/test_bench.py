@@ -91,3 +91,32 @@ def test_bench_bf16_fid_scores_both_precisions_on_the_same_noise(tmp_path):
     assert [r["seed"] for r in rows] == [0, 1] and all(r["mean_abs_pixel"] > 0 for r in rows)
     assert rows[0]["difference"] == pytest.approx(rows[0]["fid_bf16"] - rows[0]["fid_fp32"])
     assert result["summary"]["fp32_seed_std"] > 0
+BEFORE_HOT_PATH = "08f319b"  # the revision before boxes-only erasing and the cached EMA lists
+
+
+def test_bench_hot_path_compares_against_an_earlier_revision(capsys):
+    import subprocess
+
+    from scripts.bench_hot_path import ROOT, main as bench_hot_path
+
+    if subprocess.run(["git", "cat-file", "-e", f"{BEFORE_HOT_PATH}^{{commit}}"], cwd=ROOT).returncode:
+        pytest.skip(f"this checkout's history lacks {BEFORE_HOT_PATH}")
+    # the outputs of both revisions are checked equal inside, before any timing
+    results = bench_hot_path(["--before", BEFORE_HOT_PATH, "--rounds", "1", "--batch-size", "8", "--ema-width", "24"])
+    assert results["erase"]["CUDA path before / now"] > 0 and results["ema"]["before / now"] > 0
+    assert results["ema"]["lerped tensors"] == 232  # DiT-B/2 SiameseNorm's floating-point tensors
+    assert "erase (batch 8" in capsys.readouterr().out
+
+
+def test_floor_pins_pin_every_dependency_to_its_floor():
+    from pathlib import Path
+
+    from scripts.floor_pins import ROOT, floor_pins, requirements
+
+    text = (ROOT / "pyproject.toml").read_text()
+    pins = floor_pins(text)
+    assert len(pins) == len(requirements(text)) and "pytest==8.0" in pins
+    assert "torch==2.6" in pins and "pillow==10.1" in pins and "torch-fidelity==0.4" in pins
+    assert floor_pins('dependencies = [\n    "a>=1.2, <2",  # note\n    "b>=3; python_version < \'3.12\'",\n]\n') \
+        == ["a==1.2", "b==3; python_version < '3.12'"]
+    assert Path(ROOT / "Makefile").read_text().count("scripts/floor_pins.py") == 1

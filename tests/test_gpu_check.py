@@ -1,4 +1,4 @@
-"""make gpu-check: a clear error without a GPU, and the same code run on tiny models on the CPU."""
+"""make gpu-check: a clear error without a GPU, the same code on tiny models on the CPU, and its figures unbiased."""
 import json
 import subprocess
 import sys
@@ -21,12 +21,84 @@ def test_without_a_gpu_it_stops_with_a_clear_message(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "x.json").exists()
 
 
-def test_tiny_run_on_the_cpu_writes_every_figure(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny CPU run of every part but the compiled trainers (the CUDA-default test covers compile)."""
     torch.set_num_threads(1)
-    out = tmp_path / "gpu_check.json"
-    results = gpu_check.main(["--allow-cpu", "--tiny", "--skip-compile", "--out", str(out)])
-    assert json.loads(out.read_text()).keys() == results.keys() >= {"step_time", "host_syncs", "data_feed", "sampling"}
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "step_time", "host_syncs", "data_feed", "sampling",
+                              "--budget-s", "400", "--out", str(out)])
+    return results, json.loads(out.read_text())
+
+
+def test_tiny_run_on_the_cpu_writes_every_figure(tiny_run):
+    results, written = tiny_run
+    assert written.keys() == results.keys() >= {"step_time", "host_syncs", "data_feed", "sampling", "parts"}
+    assert {p["status"] for p in results["parts"].values()} == {"done"}, results["parts"]
     for label, r in results["step_time"].items():
-        assert r["siamese/pre time"] > 0 and r["siamese/pre activations"] > 1.0, label
-    assert {r["project host reads per step"] for r in results["host_syncs"].values()} == {0}
+        if isinstance(r, dict) and "pre" in r:
+            assert r["siamese/pre time"] > 0 and r["siamese/pre activations"] > 1.0, label
     assert results["data_feed"]["images_per_s"] > 0 and results["sampling"]["fid50k_minutes_one_gpu"] > 0
+    assert "fp32" in results["sampling"]["model"]  # timed as diffusion.sample runs, not under bf16
+
+
+def test_host_syncs_are_counted_per_step_after_the_warm_up(tiny_run):
+    syncs = tiny_run[0]["host_syncs"]
+    for label in ("vision.train (deit_small_siamese recipe)", "diffusion.train (dit_b2_siamese recipe)"):
+        r = syncs[label]
+        assert min(r["counted steps"]) > 2 and len(r["counted steps"]) >= 5, r["counted steps"]
+        assert set(r["project host reads per step"].values()) == {0}, r["where"]
+        left_out = r["left out (warm-up and logging steps)"]
+        assert {1, 2} <= {int(s) for s in left_out} and any(v["logging"] for v in left_out.values())
+    assert "left out" in syncs["how"]
+
+
+def test_step_times_measure_each_variant_alone_with_the_trainers_optimizer():
+    """Peak memory is a variant's own: in sequential mode the first variant is freed before the second is built,
+    and each runs the trainer's fused AdamW."""
+    import gc
+    import weakref
+
+    from scripts.bench_block import time_train_steps
+
+    refs, alive_at_build, fused = {}, {}, []
+
+    def builder(name):
+        def build():
+            gc.collect()
+            alive_at_build[name] = [k for k, ref in refs.items() if ref() is not None]
+            model = torch.nn.Linear(4, 4)
+            refs[name] = weakref.ref(model)
+            return model
+        return build
+
+    def make_optimizer(model):
+        optimizer = gpu_check.trainer_optimizer(model)
+        fused.append(optimizer.defaults["fused"])
+        return optimizer
+
+    r = time_train_steps({"pre": builder("pre"), "siamese": builder("siamese")}, lambda: (torch.randn(2, 4),),
+                         lambda model, batch: model(batch[0]).square().mean(), steps=1, warmup=0,
+                         make_optimizer=make_optimizer, sequential=True)
+    assert set(r) == {"pre", "siamese"} and alive_at_build == {"pre": [], "siamese": []}
+    assert fused == [True, True]
+
+
+def test_the_budget_skips_what_does_not_fit_and_says_so(tmp_path):
+    out = tmp_path / "x.json"
+    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "trainer", "sampling", "--budget-s", "1",
+                              "--out", str(out)])
+    assert results["parts"]["trainer"]["status"] == "skipped" and "budget" in results["parts"]["trainer"]["reason"]
+    assert results["parts"]["sampling"]["status"] == "skipped"
+    assert json.loads(out.read_text())["parts"] == results["parts"]
+
+
+def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(*args):
+        raise ImportError("No module named 'diffusers'")
+
+    monkeypatch.setattr(gpu_check, "sampling", broken)
+    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "sampling", "data_feed",
+                              "--out", str(tmp_path / "x.json")])
+    assert results["parts"]["sampling"]["status"] == "failed" and "diffusers" in results["parts"]["sampling"]["reason"]
+    assert results["parts"]["data_feed"]["status"] == "done" and results["data_feed"]["images_per_s"] > 0

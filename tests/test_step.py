@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from common.config import load_config
+from common.instrument import HostSyncCounter, count_step_syncs
 from common.trainer import Trainer
 from diffusion import train as dit_train
 from diffusion.task import DiTTask
-from scripts.gpu_check import HostSyncCounter
 from vision import train as deit_train
 from vision.task import DeiTTask
 
@@ -22,26 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
-def count_syncs_per_step(monkeypatch, cfg, task_cls):
-    """Run a training and count the host reads inside ``train_step`` of every step that is not a logging step."""
-    counts = {}
-    original = Trainer.train_step
-
-    def counted(self, batches):
-        logging_step = (self.step + 1) % self.run.log_every == 0 or self.step + 1 == self.total_steps
-        if logging_step:
-            return original(self, batches)
-        with HostSyncCounter() as counter:
-            original(self, batches)
-        counts[self.step + 1] = counter.reads
-
-    monkeypatch.setattr(Trainer, "train_step", counted)
-    Trainer(cfg, task_cls(cfg)).fit()
-    return counts
+def count_syncs_per_step(cfg, task_cls):
+    """Run a training and return the host reads inside ``train_step`` of every step that is not a logging step."""
+    with count_step_syncs(Trainer, cuda=False) as steps:
+        Trainer(cfg, task_cls(cfg)).fit()
+    return {step: s.project_reads for step, s in steps.items() if not s.logging}
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_deit_steps_never_wait_for_the_device(tmp_path, monkeypatch, clip):
+def test_deit_steps_never_wait_for_the_device(tmp_path, clip):
     # The recipe's pieces that touch a step: mixup/cutmix, drop path, EMA, label smoothing, grad accumulation.
     cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
         "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
@@ -49,16 +38,16 @@ def test_deit_steps_never_wait_for_the_device(tmp_path, monkeypatch, clip):
         "optim.batch_size=16", "optim.epochs=1", "optim.grad_accum=2", "train.log_every=3", "train.ema_decay=0.9",
         "model.drop_path=0.1", "augment.mixup=0.8", "augment.cutmix=1.0", f"optim.clip_grad={clip or 'null'}",
         f"train.output_dir={tmp_path}"])
-    counts = count_syncs_per_step(monkeypatch, cfg, DeiTTask)
+    counts = count_syncs_per_step(cfg, DeiTTask)
     assert sorted(counts) == [1, 2] and all(reads == [] for reads in counts.values()), counts
 
 
-def test_dit_steps_never_wait_for_the_device(tmp_path, monkeypatch):
+def test_dit_steps_never_wait_for_the_device(tmp_path):
     cfg = load_config(dit_train.TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml", [
         "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=1", "train.tensorboard=false",
         "data.max_samples=32", "optim.batch_size=8", "optim.steps=4", "train.log_every=4", "train.sample_every=0",
         f"train.output_dir={tmp_path}"])
-    counts = count_syncs_per_step(monkeypatch, cfg, DiTTask)
+    counts = count_syncs_per_step(cfg, DiTTask)
     assert sorted(counts) == [1, 2, 3] and all(reads == [] for reads in counts.values()), counts
 
 
@@ -85,6 +74,34 @@ def test_a_skipped_step_leaves_the_ema_unchanged():
     torch.testing.assert_close(ema.module.weight, 0.9 * before + 0.1 * model.weight.detach(), rtol=0, atol=1e-6)
 
 
+def test_ema_update_equals_a_per_tensor_lerp_bit_for_bit():
+    """The EMA's update (lists taken once, one weight tensor) against a plain per-tensor restatement, over
+    parameters, float buffers and integer buffers, with skip 0, skip 1 and no skip, several steps in a row."""
+    from common.ema import ModelEma
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model.register_buffer("scale", torch.ones(5))
+    ema = ModelEma(model, decay=0.9)
+    want = {k: v.clone() for k, v in ema.state_dict().items()}
+    for step, skip in enumerate([0.0, 1.0, 0.0, None, 1.0, 0.0]):
+        model.train()(torch.randn(16, 4))  # moves BatchNorm's running statistics and step count
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model.scale.mul_(1.5)
+        ema.update(model, step, skip=None if skip is None else torch.tensor(skip))
+        weight = torch.tensor(1.0 - 0.9) if skip is None else (1.0 - torch.tensor(skip)) * (1.0 - 0.9)
+        for k, v in model.state_dict().items():
+            want[k] = torch.lerp(want[k], v, weight) if v.is_floating_point() else v.clone()
+        got = ema.state_dict()
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (step, k)
+    assert int(want["1.num_batches_tracked"]) == 6
+    assert not any(m is model for m in ema.modules())  # the cached model is not registered as a child
+
+
 def _grads(model):
     return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -102,8 +119,9 @@ def test_compiled_models_equal_eager_and_training_does_not_recompile(tmp_path):
     torch.manual_seed(0)
     deit = timm.create_model("deit_tiny_siamese_patch16_224", img_size=16, patch_size=8, embed_dim=32, depth=2,
                              num_heads=2, num_classes=5)
+    # no label dropout: eager and inductor draw their randomness differently, so a dropped label would differ
     dit_model = DiT(input_size=8, patch_size=4, in_channels=1, hidden_size=32, depth=2, num_heads=2, num_classes=5,
-                    topology="siamese")
+                    topology="siamese", class_dropout_prob=0.0)
     for p in dit_model.parameters():  # move adaLN-Zero's zero init off zero, so every path carries gradient
         p.data.add_(0.02 * torch.randn_like(p))
     deit_inputs = (torch.randn(3, 3, 16, 16),)

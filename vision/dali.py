@@ -162,7 +162,7 @@ class DaliTrainLoader:
                 (images,) = self.pipe.outputs()
                 pending -= 1
                 images = _to_torch(images, self.device).permute(0, 3, 1, 2)  # NHWC memory, NCHW view
-                yield (self.normalize_erase.images(images, boxes.to(self.device, non_blocking=True)),
+                yield (self.normalize_erase.images(images, boxes),  # host boxes: sizes read there, no sync
                        targets.to(self.device, non_blocking=True))
         finally:  # stopped early (the run's last step, stop_at_step): drop what was started, or the next epoch
             for _ in range(pending):  # would receive it

@@ -37,6 +37,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_augment, create_transform
+from timm.data.mixup import cutmix_bbox_and_lam
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 
@@ -405,76 +406,102 @@ class NormalizeErase:
     (``x / 255``, ``- mean``, ``/ std``), so the unerased pixels are bit-identical. Inside each box the
     values follow timm's modes: ``pixel`` N(0, 1) per pixel, ``rand`` N(0, 1) per channel, ``const`` 0,
     drawn by :func:`hashed_normal` from the box's ``noise_seed``: a function of the sample seed, independent
-    of batch composition and device. On CUDA the boxes are applied as masks over the whole batch (no host
-    sync); on the CPU, where reading the boxes costs nothing, only the boxes' pixels are computed.
+    of batch composition and device. Only the boxes' values are computed: on the CPU box by box, elsewhere in
+    one vectorised pass per box slot whose length is the number of values the boxes fill, a host number read
+    from the boxes while they are on the host (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher`
+    runs before the copy), so the device is never waited for.
     """
-
-    chunk_elements = 1 << 22  # CUDA: pixel noise is hashed for this many values at a time (bounded scratch)
 
     def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
         self.mean = torch.tensor(data.mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(data.std, dtype=torch.float32).view(1, -1, 1, 1)
         augment = augment or AugmentConfig()
         self.mode = augment.re_mode.lower()
-        self.erase = augment.re_prob > 0  # else every box is empty: skip the masks (on CUDA a whole-batch pass)
+        self.erase = augment.re_prob > 0  # else every box is empty: nothing to read or fill
         if self.mode not in ("pixel", "rand", "const"):
             raise ValueError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
         self._constants = {}
 
-    def __call__(self, batch):
+    def before_copy(self, batch):
+        """The host half: ``((images, boxes), targets) -> ((images, boxes, fill sizes), targets)``."""
         (images, boxes), targets = batch
-        return self.images(images, boxes), targets
+        return (images, boxes, self.fill_sizes(boxes, images.shape[1])), targets
 
-    def images(self, images: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch):
+        (images, boxes, *sizes), targets = batch
+        return self.images(images, boxes, *sizes), targets
+
+    def fill_sizes(self, boxes: torch.Tensor, channels: int) -> Tuple[int, ...]:
+        """Values each box slot fills over the batch (``channels x height x width`` summed over samples)."""
+        if not self.erase:
+            return (0,) * boxes.shape[1]
+        return tuple((boxes[:, :, 2] * boxes[:, :, 3]).sum(0).mul_(channels).tolist())
+
+    def images(self, images: torch.Tensor, boxes: torch.Tensor, sizes: Optional[Tuple[int, ...]] = None):
+        """Normalised, erased float images. ``sizes``: :meth:`fill_sizes`; computed here when the boxes are on the
+        host (on the device that would be a sync: pass them from :meth:`before_copy`)."""
         device = images.device
         if device not in self._constants:  # moved once, not per batch (a pageable copy can stall the host)
             self._constants[device] = (self.mean.to(device), self.std.to(device))
         mean, std = self._constants[device]
-        x = images.float().div(255).sub_(mean).div_(std)
+        x = torch.empty_like(images, dtype=torch.float32)
+        for part in self._chunks(len(x), x[0].numel(), device):
+            x[part].copy_(images[part]).div_(255).sub_(mean).div_(std)
         if not self.erase:
             return x
-        if device.type == "cpu":
-            return self._erase_boxes(x, boxes)
-        return self._erase_masked(x, boxes)
+        if sizes is None:
+            sizes = self.fill_sizes(boxes.cpu(), x.shape[1])
+        if any(sizes) and boxes.device != device:
+            boxes = (boxes.pin_memory() if device.type == "cuda" else boxes).to(device, non_blocking=True)
+        for k, total in enumerate(sizes):
+            if total:
+                self._fill(x, boxes[:, k], k, total)
+        return x
 
-    def _noise_index(self, c: int, h: int, w: int, rows=slice(None), cols=slice(None), device=None) -> torch.Tensor:
-        """Element numbers ``channel * h * w + row * w + col`` of the pixels to fill (one per channel for 'rand')."""
-        channel = torch.arange(c, device=device).view(c, 1, 1)
-        if self.mode == "rand":
-            return channel
-        rows = torch.arange(h, device=device)[rows].view(1, -1, 1)
-        return channel * (h * w) + rows * w + torch.arange(w, device=device)[cols].view(1, 1, -1)
-
-    def _erase_boxes(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def _fill(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
+        """Erase box slot ``slot`` of every sample. On the CPU, where the boxes are host numbers, box by box
+        through slices; elsewhere :meth:`_fill_vectorised`, a fixed number of kernels whatever the boxes."""
+        if x.device.type != "cpu":
+            return self._fill_vectorised(x, boxes, slot, total)
         c, h, w = x.shape[1:]
-        for i, sample in enumerate(boxes.tolist()):
-            for k, (top, left, height, width, seed) in enumerate(sample):
-                if height == 0:
-                    continue
-                rows, cols = slice(top, top + height), slice(left, left + width)
-                if self.mode == "const":
-                    x[i, :, rows, cols] = 0.0
-                else:
-                    index = self._noise_index(c, h, w, rows, cols)
-                    x[i, :, rows, cols] = hashed_normal(torch.tensor([seed]), k, index)[0]
-        return x
-
-    def _erase_masked(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        rows = torch.arange(h, device=x.device).view(1, h, 1)
-        cols = torch.arange(w, device=x.device).view(1, 1, w)
-        index = self._noise_index(c, h, w, device=x.device)
-        step = max(1, self.chunk_elements // index.numel())
-        for k in range(boxes.shape[1]):
-            top, left, height, width, seed = (v.view(b, 1, 1) for v in boxes[:, k].unbind(1))
-            inside = ((rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width))[:, None]
-            if self.mode == "const":
-                x = x.masked_fill(inside, 0.0)
+        for image, (top, left, height, width, seed) in zip(x, boxes.tolist()):
+            if not height:
                 continue
-            for i in range(0, b, step):
-                part = slice(i, i + step)
-                x[part] = torch.where(inside[part], hashed_normal(seed[part].view(-1), k, index), x[part])
-        return x
+            region = image[:, top: top + height, left: left + width]
+            if self.mode == "const":
+                region.zero_()
+                continue
+            channel = torch.arange(c).view(c, 1, 1)
+            rows, cols = torch.arange(top, top + height).view(1, -1, 1), torch.arange(left, left + width).view(1, 1, -1)
+            index = channel if self.mode == "rand" else (channel * h + rows) * w + cols
+            region.copy_(_normal_at(_seed_key(torch.tensor(seed), slot), index).expand_as(region))
+
+    def _fill_vectorised(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
+        """The ``total`` values the slot's boxes cover, laid out box after box (channel, row, column within a
+        box), computed in one pass and written through ``(sample, channel, row, column)`` index tensors."""
+        b, c, h, w = x.shape
+        top, left, height, width, seed = boxes.unbind(1)
+        area = height * width
+        counts = area * c
+        sample = torch.repeat_interleave(torch.arange(b, device=x.device), counts, output_size=total)
+        offset = torch.arange(total, device=x.device) - (counts.cumsum(0) - counts)[sample]
+        area, width = area[sample], width[sample]
+        channel = offset // area
+        within = offset - channel * area
+        row, col = top[sample] + within // width, left[sample] + within % width
+        if self.mode == "const":
+            values = torch.zeros((), device=x.device)
+        else:
+            index = channel if self.mode == "rand" else (channel * h + row) * w + col
+            values = _normal_at(_seed_key(seed, slot)[sample], index)
+        x.index_put_((sample, channel, row, col), values)
+
+    cpu_chunk_elements = 1 << 17  # CPU: values normalised at a time (cache-sized, no page faults of fresh memory)
+
+    def _chunks(self, count: int, size: int, device: torch.device):
+        """Slices of ``count`` items of ``size`` values: one on an accelerator, cache-sized pieces on the CPU."""
+        step = count if device.type != "cpu" else max(1, self.cpu_chunk_elements // size)
+        return [slice(i, i + step) for i in range(0, count, step)]
 
 
 _MASK32 = 0xFFFFFFFF
@@ -488,23 +515,63 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """Standard normal values ``(len(seeds), *index.shape)``: value ``[i, ...]`` is a function of ``seeds[i]``,
-    ``stream`` and the element number in ``index`` alone (Box-Muller on hashed counters), so any subset of a
-    sample's elements can be computed alone. torch has no per-sample seeded batched RNG; this gives each
-    sample its own stream in one vectorised pass, the same on every device up to float rounding."""
-    key = _mix32((seeds.long() + 0x9E3779B9 * (stream + 1)) & _MASK32).view(-1, *([1] * index.dim()))
-    counter = 2 * index.to(seeds.device)[None]
+def _seed_key(seeds: torch.Tensor, stream: int) -> torch.Tensor:
+    return _mix32((seeds.long() + 0x9E3779B9 * (stream + 1)) & _MASK32)
+
+
+def _normal_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Standard normal values at element numbers ``index`` of the streams ``key`` (broadcast together)."""
+    counter = 2 * index.to(key.device)
     u1 = ((_mix32((key + counter) & _MASK32) >> 8).float() + 0.5) / 2**24
     u2 = ((_mix32((key + counter + 1) & _MASK32) >> 8).float() + 0.5) / 2**24
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
 
 
+def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """Standard normal values ``(len(seeds), *index.shape)``: value ``[i, ...]`` is a function of ``seeds[i]``,
+    ``stream`` and the element number in ``index`` alone (Box-Muller on hashed counters), so any subset of a
+    sample's elements can be computed alone. torch has no per-sample seeded batched RNG; this gives each
+    sample its own stream in one vectorised pass, the same on every device up to float rounding."""
+    return _normal_at(_seed_key(seeds, stream).view(-1, *([1] * index.dim())), index[None])
+
+
+class PairwiseMixup(Mixup):
+    """timm's ``Mixup``, its batch mode done a few pairs at a time in place: image ``i`` mixes with image
+    ``B - 1 - i`` (timm's flip) with timm's draws and arithmetic, so the images are timm's bit for bit, without a
+    flipped copy of the whole batch (on the CPU the pairs stay in cache; elsewhere one block is the whole batch)."""
+
+    cpu_chunk_elements = 1 << 17
+
+    def _mix_batch(self, x):
+        lam, use_cutmix = self._params_per_batch()
+        if lam == 1.:
+            return 1.
+        if use_cutmix:
+            (yl, yh, xl, xh), lam = cutmix_bbox_and_lam(x.shape, lam, ratio_minmax=self.cutmix_minmax,
+                                                        correct_lam=self.correct_lam)
+        n, half = len(x), len(x) // 2
+        step = half if x.device.type != "cpu" else max(1, self.cpu_chunk_elements // x[0].numel())
+        for i in range(0, half, step):
+            j = min(i + step, half)
+            a, b = x[i:j], x[n - j:n - i].flip(0)  # b: a copy, row k the partner of a's row k
+            if use_cutmix:
+                box = a[:, :, yl:yh, xl:xh].clone()
+                a[:, :, yl:yh, xl:xh] = b[:, :, yl:yh, xl:xh]
+                b[:, :, yl:yh, xl:xh] = box
+            else:
+                a_share = a * (1. - lam)
+                a.mul_(lam).add_(b * (1. - lam))
+                b.mul_(lam).add_(a_share)
+            x[n - j:n - i] = b.flip(0)
+        return lam
+
+
 def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
-    """timm ``Mixup`` when mixup or cutmix is on (it also applies label smoothing to the soft targets)."""
+    """timm's ``Mixup`` (:class:`PairwiseMixup`) when mixup or cutmix is on (it also applies label smoothing to
+    the soft targets)."""
     if augment.mixup <= 0 and augment.cutmix <= 0:
         return None
-    return Mixup(mixup_alpha=augment.mixup, cutmix_alpha=augment.cutmix, prob=augment.mixup_prob,
+    return PairwiseMixup(mixup_alpha=augment.mixup, cutmix_alpha=augment.cutmix, prob=augment.mixup_prob,
                  switch_prob=augment.mixup_switch_prob, mode=augment.mixup_mode,
                  label_smoothing=augment.label_smoothing, num_classes=num_classes)
 

@@ -1,0 +1,209 @@
+"""End-to-end training speed of ``vision.train`` beside timm's own ``train.py``, run alternately, same everything.
+
+Both train the same model (timm's ``deit_tiny_patch16_224`` at ``--width``/``--depth``) on the same JPEG folder
+(ImageNet-like sizes, written once into ``--workdir``), with the same batch, workers, threads and augmentation:
+RandAugment ``rand-m9-mstd0.5`` (``-inc1`` is left out: timm's posterize dies on its 0-bit draws under Pillow 13,
+and this script changes nothing in timm's code), mixup 0.8, cutmix 1.0, random erasing 0.25, label smoothing
+0.1, drop path 0.1, an EMA, AdamW. The figure is images/s over the steps after ``--warmup``, from each trainer's
+own per-step record (ours: ``metrics.jsonl``, written every step; theirs: its per-step log line, stamped as it
+arrives), in two ways: by the wall clock, and by CPU time, the main process's and the workers' CPU seconds per
+step (polled from /proc): on an idle machine with a core for each, the slower of the two sets the pace, and
+unlike the wall clock it holds on a machine busy with other work. The two trainers alternate run by run (the
+order flips each round); each printed ratio is the median of the per-round ratios.
+
+timm's ``train.py`` is not part of timm's wheel or sdist: it sits at the root of timm's repository
+(huggingface/pytorch-image-models on GitHub). Clone it (the tag of the installed timm, or near it) and pass
+the file, or set ``TIMM_TRAIN``::
+
+    git clone --depth 1 https://github.com/huggingface/pytorch-image-models /tmp/timm-repo
+    python -m scripts.bench_vs_timm --timm-train /tmp/timm-repo/train.py          # about 4 minutes on 2 cores
+    python -m scripts.bench_vs_timm --timm-train ... --rounds 1 --steps 6 --warmup 2 --images 512   # a try
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+AUGMENT = dict(auto_augment="rand-m9-mstd0.5", mixup=0.8, cutmix=1.0, re_prob=0.25, smoothing=0.1, drop_path=0.1,
+               ema_decay=0.99996, lr=1e-3, weight_decay=0.05)
+
+
+def write_folder(root: Path, images: int) -> Path:
+    """``root/train/class{0,1}`` ImageNet-like JPEGs (``scripts.bench_data``'s) and a small ``val`` split; kept."""
+    from scripts.bench_data import write_jpegs
+
+    done = root / ".complete"
+    if not done.exists() or int(done.read_text()) != images:
+        write_jpegs(root, images)
+        write_jpegs(root, 8, seed=1, split="val")
+        done.write_text(str(images))
+    return root
+
+
+def ours_command(folder: Path, out: Path, a) -> list:
+    kwargs = f"{{embed_dim: {a.width}, depth: {a.depth}, num_heads: {a.heads}}}"
+    return [sys.executable, "-m", "vision.train", "--config", str(Path(a.ours_tree) / "configs" / "deit_tiny_pre.yaml"),
+            f"data.path={folder}", "data.num_classes=2", f"data.num_workers={a.workers}",
+            f"model.kwargs={kwargs}", f"model.drop_path={AUGMENT['drop_path']}",
+            f"augment.auto_augment={AUGMENT['auto_augment']}", f"augment.mixup={AUGMENT['mixup']}",
+            f"augment.cutmix={AUGMENT['cutmix']}", f"augment.re_prob={AUGMENT['re_prob']}",
+            f"augment.label_smoothing={AUGMENT['smoothing']}", "augment.repeated_aug=1",
+            f"optim.batch_size={a.batch_size}", "optim.epochs=1", "optim.warmup_epochs=0",
+            f"optim.base_lr={AUGMENT['lr']}", f"optim.lr_base_batch={a.batch_size}",
+            f"optim.weight_decay={AUGMENT['weight_decay']}", f"train.ema_decay={AUGMENT['ema_decay']}",
+            f"train.threads={a.threads}", "train.log_every=1", "train.eval_every=0", "train.tensorboard=false",
+            f"train.ckpt_every={10**9}", "train.resume=null", f"train.output_dir={out}"]
+
+
+def timm_command(train_py: Path, folder: Path, out: Path, a) -> list:
+    return [sys.executable, str(train_py), str(folder), "--model", "deit_tiny_patch16_224", "--model-kwargs",
+            f"embed_dim={a.width}", f"depth={a.depth}", f"num_heads={a.heads}", "--num-classes", "2",
+            "--device", "cpu", "-b", str(a.batch_size), "-j", str(a.workers), "--input-size", "3", "224", "224",
+            "--train-split", "train", "--val-split", "val", "--epochs", "1", "--warmup-epochs", "0",
+            "--sched", "cosine", "--opt", "adamw", "--lr", str(AUGMENT["lr"]),
+            "--weight-decay", str(AUGMENT["weight_decay"]), "--aa", AUGMENT["auto_augment"],
+            "--mixup", str(AUGMENT["mixup"]), "--cutmix", str(AUGMENT["cutmix"]),
+            "--reprob", str(AUGMENT["re_prob"]), "--smoothing", str(AUGMENT["smoothing"]),
+            "--drop-path", str(AUGMENT["drop_path"]), "--model-ema", "--model-ema-decay", str(AUGMENT["ema_decay"]),
+            "--log-interval", "1", "--checkpoint-hist", "1", "--output", str(out), "--experiment", "run"]
+
+
+class CpuClock:
+    """Polls the CPU seconds (user + system, from /proc) of a process and of its descendants (the loader's workers)
+    every ``period`` seconds while it runs: ``samples`` holds ``(wall time, main CPU s, workers CPU s)``."""
+
+    def __init__(self, pid: int, period: float = 0.05):
+        self.pid, self.period, self.samples = pid, period, []
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _cpu(self, pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / self.tick
+
+    def _descendants(self, pid: int) -> list:
+        kids = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        return kids + [d for k in kids for d in self._descendants(k)]
+
+    def _poll(self):
+        while True:
+            try:
+                main, workers = self._cpu(self.pid), sum(self._cpu(k) for k in self._descendants(self.pid))
+            except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+                return
+            self.samples.append((time.time(), main, workers))
+            time.sleep(self.period)
+
+    def at(self, wall: float) -> tuple:
+        """(main, workers) CPU seconds at wall time ``wall`` (the last sample before it)."""
+        before = [s for s in self.samples if s[0] <= wall] or self.samples[:1]
+        return before[-1][1:]
+
+
+def run(name: str, command: list, env: dict) -> tuple:
+    """Run one trainer; returns its output and the wall time at which each of its steps ended, with a
+    :class:`CpuClock` of it. timm's per-step log lines are stamped as they arrive (its logger flushes each)."""
+    proc = subprocess.Popen(command, cwd=env["PYTHONPATH"].split(os.pathsep)[0], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    clock = CpuClock(proc.pid)
+    lines, stamps = [], []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"Train: \d+ \[", line):
+            stamps.append(time.time())
+    proc.wait()
+    output = "".join(lines)
+    if proc.returncode != 0:
+        sys.exit(f"error: {name} failed (exit {proc.returncode}):\n{output[-4000:]}")
+    return output, stamps, clock
+
+
+def ours_step_ends(out: Path) -> list:
+    return [r["time"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+
+
+def measure(ends: list, clock: CpuClock, warmup: int, batch: int) -> dict:
+    """Images/s over the steps after ``warmup``: by the wall clock, and by CPU time (the main process's CPU seconds
+    per step, and the workers'; on an idle machine with a core each, the slower of the two sets the pace)."""
+    if len(ends) <= warmup + 1:
+        sys.exit("error: no steps left after the warm-up; raise --steps or lower --warmup")
+    first, last, steps = ends[warmup], ends[-1], len(ends) - 1 - warmup
+    (main0, work0), (main1, work1) = clock.at(first), clock.at(last)
+    main_s, workers_s = (main1 - main0) / steps, (work1 - work0) / steps
+    return {"wall": batch * steps / (last - first), "cpu": batch / max(main_s, workers_s, 1e-9),
+            "main_cpu_ms": 1e3 * main_s, "workers_cpu_ms": 1e3 * workers_s, "steps": steps}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_vs_timm", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--timm-train", default=os.environ.get("TIMM_TRAIN"),
+                   help="timm's train.py (from timm's repository; default: $TIMM_TRAIN)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40, help="training steps per run (one epoch of that many batches)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the figure")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each trainer (OMP_NUM_THREADS)")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--images", type=int, default=None, help="training JPEGs (default: steps x batch size)")
+    p.add_argument("--workdir", default=None, help="where the JPEGs are written and kept (default: a temporary one)")
+    p.add_argument("--only", choices=("ours", "timm"), help="run one side (for profiling it)")
+    p.add_argument("--ours-tree", default=str(ROOT),
+                   help="the checkout whose vision.train runs (default: this one; e.g. an earlier revision's "
+                        "`git archive` to compare before and after a change)")
+    a = p.parse_args(argv)
+    if a.only != "ours" and not (a.timm_train and Path(a.timm_train).is_file()):
+        p.error("--timm-train (or TIMM_TRAIN) must name timm's train.py; see --help for where it comes from")
+    images = a.images or a.steps * a.batch_size
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
+           "PYTHONPATH": os.pathsep.join([a.ours_tree, os.environ.get("PYTHONPATH", "")])}
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench_vs_timm_"))
+    folder = write_folder(work / "images", images)
+    rates = {"ours": [], "timm": []}
+    for r in range(a.rounds):
+        order = ("ours", "timm") if r % 2 == 0 else ("timm", "ours")
+        for name in order:
+            if a.only and name != a.only:
+                continue
+            out = work / f"{name}_{r}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            if name == "ours":
+                _, _, clock = run(name, ours_command(folder, out, a), env)
+                ends = ours_step_ends(out)
+            else:
+                _, ends, clock = run(name, timm_command(Path(a.timm_train), folder, out, a), env)
+            m = measure(ends, clock, a.warmup, a.batch_size)
+            rates[name].append(m)
+            print(f"round {r + 1}/{a.rounds} {name}: {m['wall']:6.1f} images/s by the clock, {m['cpu']:6.1f} by CPU "
+                  f"time (per step: main process {m['main_cpu_ms']:.0f} ms, workers {m['workers_cpu_ms']:.0f} ms; "
+                  f"{m['steps']} steps)", flush=True)
+    result = {f"{k} {unit}": statistics.median(m[unit] for m in v) for k, v in rates.items() if v
+              for unit in ("wall", "cpu")}
+    if not a.only:
+        for unit, what in (("wall", "by the clock"), ("cpu", "by CPU time")):
+            ratio = statistics.median(o[unit] / t[unit] for o, t in zip(rates["ours"], rates["timm"]))
+            result[f"ours/timm {unit}"] = ratio
+            print(f"{what}: ours {result[f'ours {unit}']:.1f} images/s, timm {result[f'timm {unit}']:.1f}: "
+                  f"ours/timm {ratio:.2f}x (median of {a.rounds} alternating rounds)")
+    return {**result, "rounds": rates}
+
+
+if __name__ == "__main__":
+    main()
