@@ -182,7 +182,8 @@ def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
 class InTrainingFid:
     """Frechet distance of the EMA model's samples to a reference, as diffusion.sample + diffusion.fid compute it.
 
-    The extractor is built and the reference checked once (:class:`diffusion.evaluation.Evaluator`). Each call samples
+    The extractor is built and the reference checked once (:class:`diffusion.evaluation.Evaluator`) and its statistics
+    prepared before training (:meth:`prepare`, one share of its images per process). Each call samples
     on every process -- chunk ``k`` of ``train.fid_batch_size`` samples on process ``k % world``, as diffusion.sample
     splits them -- extracts the features there, and scores the gathered features on the main process: no process
     waits in a barrier while another samples (for DiT-XL/2 that wait would pass NCCL's timeout).
@@ -196,6 +197,14 @@ class InTrainingFid:
         resolve_weights(cfg.fid_feature_extractor, cfg.fid_extractor_weights, option="train.fid_extractor_weights=PATH")
         self.evaluator = Evaluator(cfg.fid_reference, metrics=["fid"], feature_extractor=cfg.fid_feature_extractor,
                                    weights=cfg.fid_extractor_weights, device=str(device), num_workers=num_workers)
+
+    def prepare(self, accelerator) -> None:
+        """The reference's statistics, before training: its images (if it holds images, not statistics) are read in
+        one share per process, so no process waits in a collective while another reads them all."""
+        from common.distributed import gather_objects
+
+        self.evaluator.prepare_reference(accelerator.process_index, accelerator.num_processes,
+                                         lambda share: gather_objects(accelerator, share))
 
     @torch.no_grad()
     def __call__(self, sampler, accelerator) -> Optional[dict]:
@@ -257,6 +266,8 @@ class DiTTask(trainer.Task):
                         if run.fid_every or (run.sample_every and main) else None)
         self.fid = (InTrainingFid(run, accelerator.device, resolve_num_workers(cfg.data.num_workers))
                     if run.fid_every else None)
+        if self.fid is not None:
+            self.fid.prepare(accelerator)
 
     def build_model(self) -> torch.nn.Module:
         model = self.spec.build()

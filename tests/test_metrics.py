@@ -468,3 +468,41 @@ def test_evaluator_scores_features_gathered_from_shards(tmp_path):
     whole = compute_metrics(samples, reference, **kw)["metrics"]
     assert evaluator.score(gathered) == pytest.approx(whole, rel=1e-6)
     assert evaluator.score(gathered) == pytest.approx(whole, rel=1e-6)  # scoring again reuses the reference
+
+
+def test_reference_read_in_shares_per_process_equals_one_pass(tmp_path):
+    """In-training FID prepares the reference before training with every process reading one contiguous share of its
+    images (two ranks here, as threads joined by a real all-gather): each reads only its share, and the statistics
+    and features equal one pass over all of them."""
+    import threading
+
+    torch.manual_seed(0)
+    weights = save_weights(FashionMNISTClassifier(), tmp_path / "w.safetensors")
+    reference = torch.randint(0, 200, (31, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    kw = dict(metrics=["fid", "pr"], feature_extractor="fmnist-cnn", weights=weights, device="cpu", batch_size=4)
+    whole = Evaluator(reference, **kw)
+    whole.prepare_reference()
+    ranks = [Evaluator(reference, **kw) for _ in range(2)]
+    read = [0, 0]
+    for rank, evaluator in enumerate(ranks):
+        evaluator.extractor.register_forward_hook(lambda m, args, out, r=rank: read.__setitem__(r, read[r] + len(args[0])))
+    shares, barrier = [None, None], threading.Barrier(2)
+
+    def gather_for(rank):
+        def gather(obj):
+            shares[rank] = obj
+            barrier.wait()
+            return list(shares)
+        return gather
+
+    threads = [threading.Thread(target=ev.prepare_reference, args=(r, 2, gather_for(r))) for r, ev in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert read == [15, 16]  # 31 images: 0..14 on rank 0, 15..30 on rank 1
+    for ev in ranks:
+        # equal up to float32 round-off: a share starts mid-batch, so the batches the convolutions see differ
+        torch.testing.assert_close(ev.ref_features, whole.ref_features, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ev.ref_pool.mu, whole.ref_pool.mu, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(ev.ref_pool.sigma, whole.ref_pool.sigma, rtol=1e-5, atol=1e-7)

@@ -32,7 +32,7 @@ sample files, and it has no sFID nor ADM's IS splits and Precision/Recall.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -157,8 +157,13 @@ class Evaluator:
                     "and --save-stats files carry them as arr_0)")
         return None
 
-    def prepare_reference(self) -> None:
-        """Reference statistics and pool features for the chosen metrics, from the file or one pass over its images."""
+    def prepare_reference(self, rank: int = 0, world: int = 1,
+                          gather: Optional[Callable[[Any], List[Any]]] = None) -> None:
+        """Reference statistics and pool features for the chosen metrics, from the file or one pass over its images.
+
+        With ``world`` > 1 every process calls this with its ``rank`` and ``gather`` (``obj -> [obj of each rank]``,
+        e.g. an all-gather): each extracts the features of one contiguous share of the reference images, and the
+        shares are joined in order, so no process waits while another reads the whole reference."""
         if self._prepared:
             return
         self._prepared = True
@@ -179,7 +184,7 @@ class Evaluator:
             raise MetricsError(f"reference {ref.source}: its cached features are from "
                                f"{ref.info.get('feature_extractor')} layer {ref.info.get('arr_0_features_layer')} and "
                                "it holds no images to recompute them")
-        features = self.features(ref.images)
+        features = self._reference_features(rank, world, gather)
         meta = dict(feature_extractor=self.name)
         if need_pool_features:
             self.ref_features = features[POOL]
@@ -188,6 +193,21 @@ class Evaluator:
         if "sfid" in self.metrics and self.ref_spatial is None:
             self.ref_spatial = FeatureStatistics.from_features(features[SPATIAL], feature_layer=self.layers[SPATIAL],
                                                                **meta)
+
+    def _reference_features(self, rank: int, world: int, gather) -> Dict[str, torch.Tensor]:
+        images = self.reference.images
+        image_set = images if isinstance(images, ImageSet) else open_images(images, self.value_range)
+        if world == 1:
+            return self.features(image_set)
+        n = len(image_set)
+        start, stop = n * rank // world, n * (rank + 1) // world
+        by_layer = extract_features(image_set, self.extractor, self.batch_size, self.num_workers, self.progress,
+                                    start, stop)
+        shares = gather({role: by_layer[layer] for role, layer in self.layers.items()})
+        features = {role: torch.cat([share[role] for share in shares]) for role in self.layers}
+        if len(features[next(iter(self.layers))]) == 0:
+            raise MetricsError(f"{image_set.source}: no readable images")
+        return features
 
     def _cache_matches(self, ref: Reference) -> bool:
         info = ref.info

@@ -355,19 +355,21 @@ def feature_batches(images: ImageSet, extractor, batch_size: int = 50, num_worke
 
 
 def extract_features(images: ImageSet, extractor, batch_size: int = 50, num_workers: int = 0,
-                     progress: bool = False) -> Dict[str, torch.Tensor]:
-    """All images' features, ``{layer: float32 [N, D]}`` on the CPU, one pass of :func:`feature_batches`."""
+                     progress: bool = False, start: int = 0, stop: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """The features of the images at positions ``start .. stop - 1`` (all by default), ``{layer: float32 [N, D]}``
+    on the CPU, one pass of :func:`feature_batches`."""
+    stop = len(images) if stop is None else stop
     out: Dict[str, List[torch.Tensor]] = {name: [] for name in extractor.features_list}
     seen, skipped_before = 0, len(images.skipped)
-    bar = tqdm(total=len(images), unit="img", desc=f"features {images.source}", disable=not progress, leave=False)
-    for _, batch, features in feature_batches(images, extractor, batch_size, num_workers):
+    bar = tqdm(total=stop - start, unit="img", desc=f"features {images.source}", disable=not progress, leave=False)
+    for _, batch, features in feature_batches(images, extractor, batch_size, num_workers, start, stop):
         for name, f in features.items():
             out[name].append(f)
         seen += len(batch)
         bar.update(len(batch))
     bar.close()
-    if seen + len(images.skipped) - skipped_before != len(images):
-        raise MetricsError(f"{images.source}: read {seen} images, expected {len(images)}")
-    if seen == 0:
+    if seen + len(images.skipped) - skipped_before != stop - start:
+        raise MetricsError(f"{images.source}: read {seen} images, expected {stop - start}")
+    if seen == 0 and stop > start:
         raise MetricsError(f"{images.source}: no readable images")
     return {name: torch.cat(chunks) for name, chunks in out.items()}
