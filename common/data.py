@@ -25,7 +25,7 @@ Feeding the device::
     for batch in DevicePrefetcher(loader, device, transform=batch_transform): ...
 
 :class:`DevicePrefetcher` copies each batch to the device one batch ahead (a side CUDA stream) and runs an
-optional batch transform there, e.g. :class:`vision.data.NormalizeErase` on uint8 images; a transform's
+optional batch transform there, e.g. :class:`vision.augment.NormalizeErase` on uint8 images; a transform's
 ``before_copy(batch)``, where it has one, runs on the host batch first (reading what the host already holds
 costs no sync).
 """

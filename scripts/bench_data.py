@@ -5,7 +5,7 @@
   (mostly 500x375 and 375x500, some up to 1024 px), 1/f "natural" content at quality 90 (about 0.6 bytes per
   pixel, like ImageNet's). ``old``: Pillow decode, Pillow crop, float32 normalise and random erasing in the worker,
   ``torch.manual_seed`` per sample. ``new``: torchvision.io decode, torch's uint8 crop kernel, uint8 images and
-  erasing boxes out of the worker (normalise + erase run on the device: :class:`vision.data.NormalizeErase`),
+  erasing boxes out of the worker (normalise + erase run on the device: :class:`vision.augment.NormalizeErase`),
   generators seeded directly. Both include the worker's collate.
 * DiT: examples/s per worker for the latent loader (latents written in ``diffusion.extract_latents``'s format):
   ``old`` reads both flipped views of the posterior moments and seeds with ``torch.manual_seed``; ``new`` reads
@@ -39,8 +39,9 @@ from common.data import SeededDataset, sample_seed
 from diffusion.latents import sample_latents
 from torchvision.datasets.folder import pil_loader
 
-from vision.data import (AugmentConfig, DataConfig, NormalizeErase, build_dataset, build_transform,
-                         load_rgb_tensor)
+from vision.data import DataConfig, build_dataset, load_rgb_tensor
+
+from vision.augment import AugmentConfig, NormalizeErase, build_transform
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "deit_recipe.yaml"
 # (width, height, weight): ImageNet's training set is dominated by 500-pixel-wide Flickr sizes

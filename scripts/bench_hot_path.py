@@ -1,6 +1,6 @@
 """Hot-path pieces of a training step, this tree against an earlier revision, side by side on the CPU.
 
-* ``erase``: the batch half of random erasing (:class:`vision.data.NormalizeErase`, DeiT recipe: re_prob 0.25,
+* ``erase``: the batch half of random erasing (:class:`vision.augment.NormalizeErase`, DeiT recipe: re_prob 0.25,
   pixel mode) on a batch of 224 px images: the earlier revision's CUDA path (noise for every pixel, kept inside
   the boxes) beside this tree's accelerator path (the boxes' values only, one pass per slot), both run on the
   CPU; the CPU paths of both; and the normalisation before the erasing, then and now.
@@ -62,10 +62,11 @@ def alternate(variants: Dict[str, Callable[[], object]], rounds: int, label: str
 
 
 def bench_erase(before: str, rounds: int, batch: int) -> dict:
-    import vision.data as new
+    import vision.augment as new
+    from vision.data import DataConfig
 
-    old = module_at(before, "vision/data.py", "_before_vision_data")
-    data, augment = new.DataConfig(dataset="fashion_mnist"), new.AugmentConfig(re_prob=0.25, re_mode="pixel")
+    old = module_at(before, "vision/data.py", "_before_vision_data")  # the engine lived in vision/data.py then
+    data, augment = DataConfig(dataset="fashion_mnist"), new.AugmentConfig(re_prob=0.25, re_mode="pixel")
     worker = new.RandomErasingBoxes(augment.re_prob, augment.re_mode, augment.re_count)
     random.seed(0)
     images, boxes = torch.utils.data.default_collate(

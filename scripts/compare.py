@@ -297,6 +297,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="runs and report (default runs/compare_<task>[_quick])")
     p.add_argument("--report", type=Path, help="report directory (default: --out)")
     p.add_argument("--notes", type=Path, help="a markdown file whose text goes into the report under 'Notes'")
+    p.add_argument("--report-only", action="store_true", help="train nothing: write the report of the runs finished "
+                   "so far (the others are listed as unfinished), e.g. while other processes still train")
     p.add_argument("--shard", default="0/1", metavar="K/N", help="train only runs K, K+N, K+2N, ... (0-based) of the "
                    "list, e.g. on two machines; the report covers every finished run of the list. On one machine, "
                    "start the same command N times instead: a run being trained by one process is skipped by the others")
@@ -372,7 +374,7 @@ def _compare(opts, argv) -> Path:
 
     runs_dir = opts.out / "runs"
     specs = run_specs(opts)
-    for spec in specs[opts.shard_index::opts.shard_count]:
+    for spec in [] if opts.report_only else specs[opts.shard_index::opts.shard_count]:
         run_one(spec, runs_dir, opts)
     results, pending = [], []
     for spec in specs:  # every run of the list, whichever process (shard) trained it

@@ -20,7 +20,8 @@ from common.config import load_config
 from common.diagnostics import (PathLike, grad_norm_trace, hidden_state_norms, layer_removal, stream_contribution,
                                 write_diagnostic)
 from common.distributed import build_accelerator
-from vision.data import build_dataset, build_eval_loader, build_transform
+from vision.data import build_dataset, build_eval_loader
+from vision.augment import build_transform
 from vision.evaluate import build_model, evaluate
 from vision.train import TrainConfig
 

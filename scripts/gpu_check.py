@@ -5,7 +5,8 @@
     python3 -m scripts.gpu_check --only data_feed sampling      # some parts
 
 It runs from a checkout without installing it (``PYTHONPATH=.``, ``python3 -m scripts.gpu_check``), on torch 2.6
-or later. The parts, in the order they run (the most telling first):
+or later. It is one file of independent parts, a function each (over 500 lines for that reason: one script is the
+one thing to carry to a bare GPU machine). The parts, in the order they run (the most telling first):
 
 1. ``trainer``: the real trainers as a CUDA user runs them by default (``Trainer``: accelerate, bf16 autocast,
    ``torch.compile``, fused AdamW, EMA, the device prefetcher) on generated data: DiT-B/2 at batch 256 and DeiT-S

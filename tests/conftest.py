@@ -1,6 +1,7 @@
 """Test-session settings.
 
-* One BLAS thread (scipy's sqrtm spins on a busy 2-core machine otherwise).
+* One BLAS thread (scipy's sqrtm spins on a busy 2-core machine otherwise). Under pytest-xdist (`make test` runs
+  one worker per core) each worker also computes on one torch thread: the workers share the cores.
 * Tests marked ``fashion_mnist`` need the Fashion-MNIST files (`make test` installs them where it can, as
   `make demo` does). Without them such a test is skipped with the command to run, except under CI
   (``CI=true``), where a missing dataset fails the test: CI must never go green by skipping.
@@ -10,6 +11,10 @@ import os
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
 
 MISSING_DATA = ("Fashion-MNIST is not installed: run `make data` as root "
                 "(it runs `apt-get install dataset-fashion-mnist`)")

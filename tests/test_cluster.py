@@ -68,12 +68,12 @@ def same_weights(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    return {"deit_1": finished("vision.train", DEIT, root / "deit_1"),
-            "deit_2": finished("vision.train", DEIT, root / "deit_2", nproc=2),
+    return {"deit_2": finished("vision.train", DEIT, root / "deit_2", nproc=2),
             "dit_1": finished("diffusion.train", DIT, root / "dit_1")}
 
 
-@pytest.mark.parametrize("family, nproc, at", [("deit", 1, 5), ("dit", 1, 7), ("deit", 2, 4)])
+# One process (DiT) and two under torchrun (DeiT): the stop path is the trainer's, the same for both families.
+@pytest.mark.parametrize("family, nproc, at", [("dit", 1, 7), ("deit", 2, 4)])
 def test_sigterm_checkpoints_exits_4_and_the_rerun_is_bit_identical(references, tmp_path, family, nproc, at):
     module, args = ("vision.train", DEIT) if family == "deit" else ("diffusion.train", DIT)
     proc = launch(module, args, tmp_path, nproc)
@@ -105,12 +105,11 @@ def test_ranks_draw_their_own_randomness(references):
     assert not torch.equal(rng[0]["numpy"]["keys"], rng[1]["numpy"]["keys"])
 
 
-def test_stop_at_step_exits_3_and_a_finished_run_0(tmp_path):
+def test_stop_at_step_exits_3_not_0(tmp_path):
     proc = launch("vision.train", DEIT + ["train.stop_at_step=3"], tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PAUSED and "paused at step 3" in out + err, err[-2000:]
-    proc = launch("vision.train", DEIT + ["optim.epochs=1", "data.max_train_samples=64"], tmp_path / "done")
-    assert proc.wait(timeout=300) == 0
+    # A finished run exits 0: every run of the `references` fixture does (`finished` asserts it).
 
 
 def test_time_based_checkpoints(tmp_path):
@@ -168,7 +167,7 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
 
 
 def test_outputs_follow_the_umask(tmp_path):
-    for umask, mode in ((0o022, 0o644), (0o002, 0o664)):
+    for umask, mode in ((0o002, 0o664),):  # a group-writable umask, as shared cluster projects use (not the default)
         out = tmp_path / oct(umask)
         proc = subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "optim.epochs=1", "data.max_train_samples=32",
                                  "train.ckpt_every=1", f"train.output_dir={out}"], cwd=ROOT, env=ENV,

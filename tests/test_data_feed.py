@@ -114,7 +114,8 @@ def test_device_prefetcher_on_cpu_is_the_plain_loop():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_prefetcher_on_cuda_equals_cpu():
-    from vision.data import AugmentConfig, DataConfig, NormalizeErase, RandomErasingBoxes
+    from vision.data import DataConfig
+    from vision.augment import AugmentConfig, NormalizeErase, RandomErasingBoxes
 
     data, augment = DataConfig(dataset="fashion_mnist"), AugmentConfig(re_prob=0.9, re_count=2)
     worker, device_half = RandomErasingBoxes(0.9, "pixel", 2), NormalizeErase(data, augment)

@@ -5,7 +5,7 @@ Only data paths, sizes and step counts are changed on the command line; every au
 (RandAugment rand-m9-mstd0.5-inc1, mixup/cutmix, label smoothing, random erasing, repeated augmentation x3, drop
 path, EMA) and TensorBoard stay on, and the data loaders use worker processes.
 
-Before vision.data.posterize_keeping_bits, these runs died (exit 1) in a DataLoader worker within their first
+Before vision.augment.posterize_keeping_bits, these runs died (exit 1) in a DataLoader worker within their first
 epoch: with Pillow >= 13, timm's increasing posterize in rand-m9-mstd0.5-inc1 asks for 0 bits now and then, and
 Pillow raised ``ValueError: bits must be between or equal to 1 and 8``. That the 0-bit draws really happen, and
 give a black image, is asserted by tests/test_vision_data.py (20,000 recipe transforms).

@@ -64,35 +64,30 @@ def history_and_config(run_dir: Path):
     return files, history, config
 
 
-def test_weights_and_biases_offline_gets_curves_grids_and_constants_as_config(tmp_path):
+def test_weights_and_biases_offline_gets_curves_grids_and_constants_and_a_resumed_run_continues_it(tmp_path):
+    """Paused at step 2 (exit 3), then resumed to step 4: one W&B run id over both invocations, the curves and sample
+    grids of both, the constants as config (never as curves), TensorBoard beside it."""
     pytest.importorskip("wandb")
-    proc = train(tmp_path / "run", "train.trackers=[wandb]")
+    out = tmp_path / "run"
+    proc = train(out, "train.trackers=[wandb]", "train.stop_at_step=2")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    first_id = (out / ".tracker_run_id").read_text()
+    proc = train(out, "train.trackers=[wandb]")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files, history, config = history_and_config(tmp_path / "run")
-    assert len(files) == 1
+    files, history, config = history_and_config(out)
+    assert len(files) == 2 and all(first_id in f for f in files)  # two invocations, one W&B run id
     assert {"train/loss", "train/mse", "train/grad_norm"} <= history[2] and "train/loss" in history[4]
     assert any(k.startswith("samples") for k in history[2]) and any(k.startswith("samples") for k in history[4])
     assert {"run/params", "run/world_size", "optim.lr", "model.topology"} <= config
     assert not {"params", "world_size", "examples"} & set().union(*history.values())  # constants are not curves
-    assert len(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "files" / "media" / "images" / "samples_*.png"))) == 2
+    assert len(glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "images" / "samples_*.png"))) == 2
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"images": 0})
+    events = EventAccumulator(str(out / "tb"), size_guidance={"images": 0})
     events.Reload()
     assert "train/loss" in events.Tags()["scalars"] and "params" not in events.Tags()["scalars"]
     assert "samples" in events.Tags()["images"] and len(events.Images("samples")) == 2
-
-
-def test_a_resumed_run_continues_its_weights_and_biases_run(tmp_path):
-    pytest.importorskip("wandb")
-    out = tmp_path / "run"
-    assert train(out, "train.trackers=[wandb]", "train.stop_at_step=2").returncode == 3
-    first_id = (out / ".tracker_run_id").read_text()
-    assert train(out, "train.trackers=[wandb]").returncode == 0
-    files, history, _ = history_and_config(out)
-    assert len(files) == 2 and all(first_id in f for f in files)  # two invocations, one W&B run id
-    assert {2, 4} <= set(history)
 
 
 @pytest.mark.parametrize("trackers, message", [("[nowhere]", "'nowhere' is not one of accelerate's trackers"),

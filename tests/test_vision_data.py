@@ -11,7 +11,8 @@ from PIL import Image
 
 import common.data as cdata
 from common.data import ResumableSampler, SeededDataset, read_idx
-from vision.data import AugmentConfig, DataConfig, build_dataset, build_mixup, build_transform, skipped_images
+from vision.data import DataConfig, build_dataset, skipped_images
+from vision.augment import AugmentConfig, build_mixup, build_transform
 
 
 def write_idx(path, array):
@@ -184,8 +185,8 @@ from timm.data import auto_augment  # noqa: E402
 from common.config import from_dict, read_yaml  # noqa: E402
 from common.data import sample_seed  # noqa: E402
 from tests.odd_images import write_odd_images  # noqa: E402
-from vision.data import (NormalizeErase, RandomErasingBoxes, load_rgb, load_rgb_tensor,  # noqa: E402
-                         posterize_keeping_bits)
+from vision.data import load_rgb, load_rgb_tensor
+from vision.augment import NormalizeErase, RandomErasingBoxes, posterize_keeping_bits
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "deit_recipe.yaml"
 
@@ -303,7 +304,7 @@ from timm.data.random_erasing import RandomErasing  # noqa: E402
 from timm.data.transforms import RandomResizedCropAndInterpolation  # noqa: E402
 from torchvision.datasets.folder import pil_loader  # noqa: E402
 
-from vision.data import RandomResizedCropTensor, hashed_normal  # noqa: E402
+from vision.augment import RandomResizedCropTensor, hashed_normal  # noqa: E402
 
 
 def test_loaders_give_pillows_pixels(odd_folder):
@@ -471,7 +472,7 @@ def test_pairwise_mixup_equals_timms_bit_for_bit(cutmix):
     """The in-place pairwise batch mix gives timm's images and targets exactly, block by block and in one block."""
     from timm.data import Mixup
 
-    from vision.data import PairwiseMixup
+    from vision.augment import PairwiseMixup
 
     kw = dict(mixup_alpha=0.0 if cutmix else 0.8, cutmix_alpha=1.0 if cutmix else 0.0, label_smoothing=0.1,
               num_classes=5)

@@ -2,7 +2,7 @@
 
 JPEG decode (nvJPEG on the GPU, fused with the random-resized crop so only the crop is decoded), bicubic
 resize, flip and RandAugment run in a DALI pipeline; normalisation and random erasing are
-:class:`vision.data.NormalizeErase` on the same device; mixup/cutmix stay in torch. Install with
+:class:`vision.augment.NormalizeErase` on the same device; mixup/cutmix stay in torch. Install with
 ``pip install -e '.[dali]'`` (``nvidia-dali-cuda130``; use ``nvidia-dali-cuda120`` with a CUDA 12 torch).
 On a CPU device the same pipeline runs DALI's CPU operators (libjpeg-turbo): how it is tested without a GPU.
 
@@ -39,7 +39,8 @@ import torch
 
 from common.cli import InputError
 from common.data import ResumableSampler, resolve_num_workers
-from vision.data import AugmentConfig, DataConfig, NormalizeErase, RandomErasingBoxes
+from vision.data import DataConfig
+from vision.augment import AugmentConfig, NormalizeErase, RandomErasingBoxes
 
 DALI_MAGNITUDE_BINS = 31
 

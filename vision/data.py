@@ -1,29 +1,18 @@
-"""Image classification data for DeiT: ImageFolder (ImageNet layout) or Fashion-MNIST, timm transforms, mixup.
+"""Image classification data for DeiT: ImageFolder (ImageNet layout) or Fashion-MNIST, image files, loaders.
 
-* :class:`DataConfig` / :class:`AugmentConfig`: the ``data:`` and ``augment:`` sections of a recipe. Their
-  defaults are neutral (no augmentation); the DeiT numbers live in ``configs/deit_recipe.yaml``.
+* :class:`DataConfig`: the ``data:`` section of a recipe.
 * :func:`build_dataset`: ``imagefolder`` reads ``<path>/<split>/<class>/*.jpg`` (ImageNet: ``train/n01440764/
   *.JPEG``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
 * :class:`ReadableImageFolder`: an unreadable image is replaced by the next readable one, with a warning
   naming the file; ``skipped_images(dataset)`` counts the distinct files across DataLoader workers; in the val
   split an unreadable image is left out of the metrics and named instead.
-* :func:`build_transform`: timm's ``create_transform`` (RandAugment, random-resized crop, random erasing;
-  eval: resize ``input_size / crop_pct`` + center crop). ``use_prefetcher=True`` splits the training transform
-  in two: the worker half ends in uint8 images plus the random-erasing boxes it drew, and
-  :class:`NormalizeErase` (the batch half) normalises and erases on the device, behind
-  :class:`common.data.DevicePrefetcher`; its images are read by :func:`load_rgb_tensor`::
-
-      train_set = build_dataset(data, "train", build_transform(data, augment, True, use_prefetcher=True),
-                                loader=load_rgb_tensor)
-      feed = DevicePrefetcher(build_train_loader(train_set, ...), device, NormalizeErase(data, augment))
-
-* :func:`build_mixup`: timm's ``Mixup`` (mixup/cutmix with label smoothing -> soft targets) or None.
+* :func:`load_rgb` / :func:`load_rgb_tensor`: an image file as RGB (PIL, or uint8 tensor for the device-side
+  augmentation of :mod:`vision.augment`).
 * :func:`build_eval_loader` (the training loader is :func:`common.data.build_train_loader`).
 """
 from __future__ import annotations
 
 import multiprocessing
-import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +21,10 @@ from typing import Callable, Literal, Optional, Tuple, Union
 import numpy as np
 import torch
 import torchvision
-import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_augment, create_transform
-from timm.data.mixup import cutmix_bbox_and_lam
-from timm.data.random_erasing import RandomErasing
-from timm.data.transforms import RandomResizedCropAndInterpolation
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from common.data import (FashionMNIST, ImageFolderError, add_note, ignore_in_workers, resolve_num_workers,
                          scan_image_folder)
@@ -72,26 +57,6 @@ class DataConfig:
                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG")
         if not 0.0 < self.crop_pct <= 1.0:
             raise ValueError(f"data.crop_pct={self.crop_pct} must lie in (0, 1]")
-
-
-@dataclass
-class AugmentConfig:
-    """Training-time augmentation and target mixing (neutral defaults: nothing on)."""
-
-    auto_augment: Optional[str] = None  # timm policy string, DeiT: rand-m9-mstd0.5-inc1
-    color_jitter: float = 0.0  # ignored by timm when auto_augment is set
-    scale: Tuple[float, float] = (0.08, 1.0)  # random-resized-crop area range
-    hflip: float = 0.5  # horizontal flip probability
-    re_prob: float = 0.0  # random erasing probability
-    re_mode: str = "pixel"  # erased box filled with per-pixel noise (timm: const, rand, pixel)
-    re_count: int = 1  # boxes per erased image
-    repeated_aug: int = 1  # repeats of each image per epoch (DeiT: 3); 1 = off
-    mixup: float = 0.0  # mixup alpha; 0 = off
-    cutmix: float = 0.0  # cutmix alpha; 0 = off
-    mixup_prob: float = 1.0  # probability a batch is mixed
-    mixup_switch_prob: float = 0.5  # probability of cutmix instead of mixup when both are on
-    mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # one lambda per batch, pair of images, or image
-    label_smoothing: float = 0.0  # target smoothing (inside mixup's soft targets when mixing)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -235,60 +200,7 @@ def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[
     return dataset
 
 
-# ----------------------------------------------------------------------------- transforms and mixing
-
-def posterize_keeping_bits(image: Image.Image, bits_to_keep: int, **_) -> Image.Image:
-    """timm's posterize op, with "keep 0 bits" doing what it says (every channel 0) instead of raising.
-
-    timm's RandAugment maps magnitude 10 of ``PosterizeIncreasing`` (reached by ``rand-m9-mstd0.5-inc1``
-    whenever the magnitude noise exceeds +1, clipped to 10) and magnitudes < 2.5 of ``Posterize`` to 0 bits.
-    Pillow <= 12 masked every value with 0 then, a black image: the augmentation the DeiT recipe was tuned
-    with. Pillow 13 raises ``ValueError`` instead, which killed training runs from a DataLoader worker.
-    """
-    if bits_to_keep <= 0:
-        return image.point(lambda _: 0)
-    return auto_augment.posterize(image, bits_to_keep)
-
-
-def _keep_posterize_defined(transform) -> None:
-    """Swap timm's posterize for :func:`posterize_keeping_bits` in every RandAugment/AutoAugment/AugMix op of
-    ``transform``; op choice, magnitudes and every other op stay timm's own."""
-    for stage in getattr(transform, "transforms", [transform]):
-        ops = list(getattr(stage, "ops", [])) + [op for sub in getattr(stage, "policy", []) for op in sub]
-        for op in ops:
-            if isinstance(op, auto_augment.AugmentOp) and op.aug_fn is auto_augment.posterize:
-                op.aug_fn = posterize_keeping_bits
-
-
-def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, training: bool = False,
-                    use_prefetcher: bool = False):
-    """timm transforms: the training pipeline of ``augment``, or resize + center crop for evaluation.
-
-    ``use_prefetcher=True`` (training only) returns the worker half of the same pipeline: timm's crop draws
-    resampled by torch's uint8 kernel (:class:`RandomResizedCropTensor`), flip and RandAugment as timm
-    builds them, then ``(uint8 image (3, H, W), erasing boxes)`` (:class:`RandomErasingBoxes`); finish the
-    batch with :class:`NormalizeErase` on the device.
-    """
-    common = dict(input_size=data.input_size, interpolation=data.interpolation, mean=data.mean, std=data.std)
-    if not training:
-        if use_prefetcher:
-            raise ValueError("use_prefetcher=True splits the training transform; evaluation uses the plain one")
-        return create_transform(is_training=False, crop_pct=data.crop_pct, **common)
-    a = augment or AugmentConfig()
-    transform = create_transform(
-        is_training=True, scale=a.scale, hflip=a.hflip, color_jitter=a.color_jitter or None,
-        auto_augment=a.auto_augment, re_prob=a.re_prob, re_mode=a.re_mode, re_count=a.re_count,
-        use_prefetcher=use_prefetcher, **common,
-    )
-    _keep_posterize_defined(transform)
-    if use_prefetcher:
-        stages = [RandomResizedCropTensor.like(t) if type(t) is RandomResizedCropAndInterpolation else t
-                  for t in transform.transforms]
-        transform.transforms = stages + [RandomErasingBoxes(a.re_prob, a.re_mode, a.re_count)]
-    return transform
-
-
-# ----------------------------------------------------------------------------- the prefetcher split
+# ----------------------------------------------------------------------------- image files
 
 def load_rgb(path) -> Image.Image:
     """An image file as a decoded RGB PIL image: torchvision's PIL loader without its extra copy of images that
@@ -327,253 +239,6 @@ def rgb_view(image: Image.Image) -> torch.Tensor:
     with warnings.catch_warnings():  # numpy's view of PIL's bytes is read-only; nothing here writes to it
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(np.asarray(image)).permute(2, 0, 1)
-
-
-class RandomResizedCropTensor(RandomResizedCropAndInterpolation):
-    """timm's random-resized crop, resampled by torch's antialiased uint8 kernel instead of Pillow's (about 3x
-    faster): timm's own crop draws (the same boxes for the same seed) and the same filter (Keys cubic,
-    a = -0.5, widened by the downscale factor). The pixels equal Pillow's but for about 1% (a few % in some
-    upsampling draws) that differ by one grey level and < 0.5% by more (the two round their intermediate pass
-    differently).
-    Takes a PIL image or a uint8 ``(3, H, W)`` tensor; returns a PIL RGB image for RandAugment."""
-
-    @classmethod
-    def like(cls, crop: RandomResizedCropAndInterpolation) -> "RandomResizedCropTensor":
-        tensor_crop = cls(crop.size, scale=crop.scale, ratio=crop.ratio)
-        tensor_crop.interpolation = crop.interpolation
-        return tensor_crop
-
-    def __call__(self, image) -> Image.Image:
-        if isinstance(image, Image.Image):
-            image = rgb_view(image if image.mode == "RGB" else image.convert("RGB"))
-        top, left, height, width = self.get_params(image, self.scale, self.ratio)
-        mode = random.choice(self.interpolation) if isinstance(self.interpolation, (tuple, list)) else self.interpolation
-        if height == 0 or width == 0:  # timm's draw on an image of < 5 pixels can be empty; Pillow resizes it to black
-            return Image.new("RGB", self.size[::-1])
-        # channels-last in and out: torch's uint8 kernel works in that layout, and its output is PIL's HWC layout
-        box = image[None, :, top: top + height, left: left + width].contiguous(memory_format=torch.channels_last)
-        out = TF.resize(box, list(self.size), interpolation=mode, antialias=True)
-        return Image.fromarray(out[0].permute(1, 2, 0).numpy())
-
-
-class _BoxRecorder:
-    """Stands in for an image tensor so that timm's RandomErasing reports the boxes it would erase."""
-
-    dtype = torch.float32
-
-    def __init__(self, height: int, width: int):
-        self.shape = (3, height, width)
-        self.boxes = []
-
-    def size(self):
-        return self.shape
-
-    def __setitem__(self, index, value):
-        rows, cols = index[1], index[2]
-        self.boxes.append((rows.start, cols.start, rows.stop - rows.start, cols.stop - cols.start))
-
-
-class RandomErasingBoxes:
-    """Worker half of random erasing: ``image -> (image, boxes)`` with ``boxes`` int64 ``(count, 5)`` rows
-    ``(top, left, height, width, noise_seed)``; height 0 means no box.
-
-    The decisions (whether, how many, where) are timm's ``RandomErasing`` draws themselves, from Python's
-    ``random`` as in the CPU pipeline, so they stay a function of the sample seed; the erased values are
-    drawn on the device by :class:`NormalizeErase` from ``noise_seed`` (one more draw after timm's).
-    """
-
-    def __init__(self, probability: float, mode: str = "pixel", count: int = 1):
-        self.count = count
-        # 'const' draws no fill values: same decisions as any mode, no torch RNG use, no work
-        self.erasing = RandomErasing(probability, mode="const", max_count=count, device="cpu") if probability > 0 else None
-
-    def __call__(self, image: torch.Tensor):
-        boxes = torch.zeros(self.count, 5, dtype=torch.int64)
-        if self.erasing is not None:
-            recorder = _BoxRecorder(*image.shape[-2:])
-            self.erasing(recorder)
-            if recorder.boxes:
-                boxes[: len(recorder.boxes), :4] = torch.tensor(recorder.boxes)
-                boxes[:, 4] = random.getrandbits(31)
-        return image, boxes
-
-
-class NormalizeErase:
-    """Batch half of the ``use_prefetcher`` split, on the batch's device:
-    ``((uint8 images (B, 3, H, W), boxes (B, count, 5)), targets) -> (float images, targets)``.
-
-    Normalisation is the same arithmetic as the CPU pipeline's ``ToTensor`` + ``Normalize``
-    (``x / 255``, ``- mean``, ``/ std``), so the unerased pixels are bit-identical. Inside each box the
-    values follow timm's modes: ``pixel`` N(0, 1) per pixel, ``rand`` N(0, 1) per channel, ``const`` 0,
-    drawn by :func:`hashed_normal` from the box's ``noise_seed``: a function of the sample seed, independent
-    of batch composition and device. Only the boxes' values are computed: on the CPU box by box, elsewhere in
-    one vectorised pass per box slot whose length is the number of values the boxes fill, a host number read
-    from the boxes while they are on the host (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher`
-    runs before the copy), so the device is never waited for.
-    """
-
-    def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
-        self.mean = torch.tensor(data.mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.std = torch.tensor(data.std, dtype=torch.float32).view(1, -1, 1, 1)
-        augment = augment or AugmentConfig()
-        self.mode = augment.re_mode.lower()
-        self.erase = augment.re_prob > 0  # else every box is empty: nothing to read or fill
-        if self.mode not in ("pixel", "rand", "const"):
-            raise ValueError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
-        self._constants = {}
-
-    def before_copy(self, batch):
-        """The host half: ``((images, boxes), targets) -> ((images, boxes, fill sizes), targets)``."""
-        (images, boxes), targets = batch
-        return (images, boxes, self.fill_sizes(boxes, images.shape[1])), targets
-
-    def __call__(self, batch):
-        (images, boxes, *sizes), targets = batch
-        return self.images(images, boxes, *sizes), targets
-
-    def fill_sizes(self, boxes: torch.Tensor, channels: int) -> Tuple[int, ...]:
-        """Values each box slot fills over the batch (``channels x height x width`` summed over samples)."""
-        if not self.erase:
-            return (0,) * boxes.shape[1]
-        return tuple((boxes[:, :, 2] * boxes[:, :, 3]).sum(0).mul_(channels).tolist())
-
-    def images(self, images: torch.Tensor, boxes: torch.Tensor, sizes: Optional[Tuple[int, ...]] = None):
-        """Normalised, erased float images. ``sizes``: :meth:`fill_sizes`; computed here when the boxes are on the
-        host (on the device that would be a sync: pass them from :meth:`before_copy`)."""
-        device = images.device
-        if device not in self._constants:  # moved once, not per batch (a pageable copy can stall the host)
-            self._constants[device] = (self.mean.to(device), self.std.to(device))
-        mean, std = self._constants[device]
-        x = torch.empty_like(images, dtype=torch.float32)
-        for part in self._chunks(len(x), x[0].numel(), device):
-            x[part].copy_(images[part]).div_(255).sub_(mean).div_(std)
-        if not self.erase:
-            return x
-        if sizes is None:
-            sizes = self.fill_sizes(boxes.cpu(), x.shape[1])
-        if any(sizes) and boxes.device != device:
-            boxes = (boxes.pin_memory() if device.type == "cuda" else boxes).to(device, non_blocking=True)
-        for k, total in enumerate(sizes):
-            if total:
-                self._fill(x, boxes[:, k], k, total)
-        return x
-
-    def _fill(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
-        """Erase box slot ``slot`` of every sample. On the CPU, where the boxes are host numbers, box by box
-        through slices; elsewhere :meth:`_fill_vectorised`, a fixed number of kernels whatever the boxes."""
-        if x.device.type != "cpu":
-            return self._fill_vectorised(x, boxes, slot, total)
-        c, h, w = x.shape[1:]
-        for image, (top, left, height, width, seed) in zip(x, boxes.tolist()):
-            if not height:
-                continue
-            region = image[:, top: top + height, left: left + width]
-            if self.mode == "const":
-                region.zero_()
-                continue
-            channel = torch.arange(c).view(c, 1, 1)
-            rows, cols = torch.arange(top, top + height).view(1, -1, 1), torch.arange(left, left + width).view(1, 1, -1)
-            index = channel if self.mode == "rand" else (channel * h + rows) * w + cols
-            region.copy_(_normal_at(_seed_key(torch.tensor(seed), slot), index).expand_as(region))
-
-    def _fill_vectorised(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
-        """The ``total`` values the slot's boxes cover, laid out box after box (channel, row, column within a
-        box), computed in one pass and written through ``(sample, channel, row, column)`` index tensors."""
-        b, c, h, w = x.shape
-        top, left, height, width, seed = boxes.unbind(1)
-        area = height * width
-        counts = area * c
-        sample = torch.repeat_interleave(torch.arange(b, device=x.device), counts, output_size=total)
-        offset = torch.arange(total, device=x.device) - (counts.cumsum(0) - counts)[sample]
-        area, width = area[sample], width[sample]
-        channel = offset // area
-        within = offset - channel * area
-        row, col = top[sample] + within // width, left[sample] + within % width
-        if self.mode == "const":
-            values = torch.zeros((), device=x.device)
-        else:
-            index = channel if self.mode == "rand" else (channel * h + row) * w + col
-            values = _normal_at(_seed_key(seed, slot)[sample], index)
-        x.index_put_((sample, channel, row, col), values)
-
-    cpu_chunk_elements = 1 << 17  # CPU: values normalised at a time (cache-sized, no page faults of fresh memory)
-
-    def _chunks(self, count: int, size: int, device: torch.device):
-        """Slices of ``count`` items of ``size`` values: one on an accelerator, cache-sized pieces on the CPU."""
-        step = count if device.type != "cpu" else max(1, self.cpu_chunk_elements // size)
-        return [slice(i, i + step) for i in range(0, count, step)]
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply, multiplier 0x45d9f3b) on int64 tensors holding uint32 values;
-    products stay below 2**59, so it is exact on every device."""
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def _seed_key(seeds: torch.Tensor, stream: int) -> torch.Tensor:
-    return _mix32((seeds.long() + 0x9E3779B9 * (stream + 1)) & _MASK32)
-
-
-def _normal_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Standard normal values at element numbers ``index`` of the streams ``key`` (broadcast together)."""
-    counter = 2 * index.to(key.device)
-    u1 = ((_mix32((key + counter) & _MASK32) >> 8).float() + 0.5) / 2**24
-    u2 = ((_mix32((key + counter + 1) & _MASK32) >> 8).float() + 0.5) / 2**24
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
-
-
-def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """Standard normal values ``(len(seeds), *index.shape)``: value ``[i, ...]`` is a function of ``seeds[i]``,
-    ``stream`` and the element number in ``index`` alone (Box-Muller on hashed counters), so any subset of a
-    sample's elements can be computed alone. torch has no per-sample seeded batched RNG; this gives each
-    sample its own stream in one vectorised pass, the same on every device up to float rounding."""
-    return _normal_at(_seed_key(seeds, stream).view(-1, *([1] * index.dim())), index[None])
-
-
-class PairwiseMixup(Mixup):
-    """timm's ``Mixup``, its batch mode done a few pairs at a time in place: image ``i`` mixes with image
-    ``B - 1 - i`` (timm's flip) with timm's draws and arithmetic, so the images are timm's bit for bit, without a
-    flipped copy of the whole batch (on the CPU the pairs stay in cache; elsewhere one block is the whole batch)."""
-
-    cpu_chunk_elements = 1 << 17
-
-    def _mix_batch(self, x):
-        lam, use_cutmix = self._params_per_batch()
-        if lam == 1.:
-            return 1.
-        if use_cutmix:
-            (yl, yh, xl, xh), lam = cutmix_bbox_and_lam(x.shape, lam, ratio_minmax=self.cutmix_minmax,
-                                                        correct_lam=self.correct_lam)
-        n, half = len(x), len(x) // 2
-        step = half if x.device.type != "cpu" else max(1, self.cpu_chunk_elements // x[0].numel())
-        for i in range(0, half, step):
-            j = min(i + step, half)
-            a, b = x[i:j], x[n - j:n - i].flip(0)  # b: a copy, row k the partner of a's row k
-            if use_cutmix:
-                box = a[:, :, yl:yh, xl:xh].clone()
-                a[:, :, yl:yh, xl:xh] = b[:, :, yl:yh, xl:xh]
-                b[:, :, yl:yh, xl:xh] = box
-            else:
-                a_share = a * (1. - lam)
-                a.mul_(lam).add_(b * (1. - lam))
-                b.mul_(lam).add_(a_share)
-            x[n - j:n - i] = b.flip(0)
-        return lam
-
-
-def build_mixup(augment: AugmentConfig, num_classes: int) -> Optional[Mixup]:
-    """timm's ``Mixup`` (:class:`PairwiseMixup`) when mixup or cutmix is on (it also applies label smoothing to
-    the soft targets)."""
-    if augment.mixup <= 0 and augment.cutmix <= 0:
-        return None
-    return PairwiseMixup(mixup_alpha=augment.mixup, cutmix_alpha=augment.cutmix, prob=augment.mixup_prob,
-                 switch_prob=augment.mixup_switch_prob, mode=augment.mixup_mode,
-                 label_smoothing=augment.label_smoothing, num_classes=num_classes)
 
 
 # ----------------------------------------------------------------------------- loaders

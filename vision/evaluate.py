@@ -33,7 +33,8 @@ from common.checkpoint import load_weights
 from common.cli import one_line_errors
 from common.config import deep_merge, from_dict, parse_overrides, read_yaml
 from common.durable import atomic_write_text
-from vision.data import DataConfig, build_dataset, build_eval_loader, build_transform
+from vision.data import DataConfig, build_dataset, build_eval_loader
+from vision.augment import build_transform
 
 
 @dataclass

@@ -16,8 +16,9 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 
 from common import trainer
-from vision.data import (AugmentConfig, DataConfig, NormalizeErase, build_dataset, build_eval_loader, build_mixup,
-                         build_transform, check_same_classes, load_rgb_tensor, unreadable_flags)
+from vision.data import (DataConfig, build_dataset, build_eval_loader, check_same_classes, load_rgb_tensor,
+                         unreadable_flags)
+from vision.augment import AugmentConfig, NormalizeErase, build_mixup, build_transform
 from vision.evaluate import ModelConfig, build_model, evaluate
 
 
