@@ -4,9 +4,10 @@
     python -m scripts.fault_suite --trials 10 --fault sigterm --nproc 1 2   # a scheduler's SIGTERM, 1 and 2 processes
 
 Each trial runs a tiny Fashion-MNIST training (DeiT, then DiT) in a subprocess (under ``torchrun`` for
-``--nproc 2``) and stops it: ``--fault sigkill`` kills it at a random wall-clock moment or at a random seam of
+``--nproc 2``) and stops it at a random moment of its training (between the set-up and the end, as timed on the
+uninterrupted run: a stop during the imports tests nothing): ``--fault sigkill`` kills it then or at a random seam of
 tests/faults.py (inside a checkpoint write, right after one, inside a weights write, mid-step, before the final
-outputs); ``--fault sigterm`` sends SIGTERM at a random moment, as SLURM or Kubernetes do before a kill (to
+outputs); ``--fault sigterm`` sends SIGTERM then, as SLURM or Kubernetes do before a kill (to
 ``torchrun`` with 2 processes, which passes it on), and expects the run to checkpoint and exit with status 4. Then it
 runs the same command again (more than once if a stop landed before the first checkpoint) and compares model and
 EMA weights with an uninterrupted run of the same process count. The fast, fixed-point version is tests/test_faults.py.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Tuple
 from pathlib import Path
 
 from common.durable import atomic_write_text
@@ -65,6 +67,21 @@ def run(cmd, stop_after=None, stop_signal=signal.SIGKILL) -> int:
     return proc.wait()
 
 
+def timed_reference(cmd, out: Path) -> Tuple[float, float]:
+    """Run the uninterrupted run; (seconds until it started training, seconds in all). Training has started when
+    ``metrics.jsonl`` exists (its first record is written after the set-up, before step 1)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start, started = time.perf_counter(), None
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None:
+        if started is None and (out / "metrics.jsonl").is_file():
+            started = time.perf_counter() - start
+        time.sleep(0.02)
+    assert proc.returncode == 0, f"the uninterrupted run failed: {' '.join(map(str, cmd))}"
+    total = time.perf_counter() - start
+    return (started if started is not None else 0.3), total
+
+
 def same_weights(a: Path, b: Path) -> bool:
     import torch
     from safetensors.torch import load_file
@@ -76,10 +93,11 @@ def same_weights(a: Path, b: Path) -> bool:
     return True
 
 
-def trial(family: str, out: Path, fault: str, nproc: int, duration: float, rng: random.Random) -> dict:
-    """One stop at a random moment (or seam) and the reruns that finish the run."""
+def trial(family: str, out: Path, fault: str, nproc: int, window: Tuple[float, float], rng: random.Random) -> dict:
+    """One stop at a random moment of the training ``window`` (seconds after the start, from the uninterrupted run:
+    a stop during the imports tests nothing) or at a seam, and the reruns that finish the run."""
     if fault == "sigterm":
-        how = {"sigterm_after_s": round(rng.uniform(0.3, duration), 2)}
+        how = {"sigterm_after_s": round(rng.uniform(*window), 2)}
         code = run(command(family, out, nproc=nproc), stop_after=how["sigterm_after_s"], stop_signal=signal.SIGTERM)
         how["stopped"] = (out / "final_metrics.json").is_file() is False
         how["exit"] = code
@@ -89,7 +107,7 @@ def trial(family: str, out: Path, fault: str, nproc: int, duration: float, rng: 
         code = run(command(family, out, (seam, how["nth"])))
         how["stopped"] = code == -signal.SIGKILL
     else:
-        how = {"sigkill_after_s": round(rng.uniform(0.3, duration), 2)}
+        how = {"sigkill_after_s": round(rng.uniform(*window), 2)}
         code = run(command(family, out, nproc=nproc), stop_after=how["sigkill_after_s"])
         how["stopped"] = code == -signal.SIGKILL
     reruns = 0
@@ -119,13 +137,12 @@ def main(argv=None) -> dict:
             for nproc in args.nproc:
                 key = f"{family} {nproc}p {args.fault}"
                 reference = tmp / f"{family}_{nproc}_reference"
-                start = time.perf_counter()
-                assert run(command(family, reference, nproc=nproc)) == 0, f"the uninterrupted {key} run failed"
-                duration = time.perf_counter() - start
+                window = timed_reference(command(family, reference, nproc=nproc), reference)
+                print(f"{key}: the uninterrupted run trains from {window[0]:.1f} s to {window[1]:.1f} s", flush=True)
                 trials = []
                 for i in range(args.trials):
                     out = tmp / f"{family}_{nproc}_{i}"
-                    t = trial(family, out, args.fault, nproc, duration, rng)
+                    t = trial(family, out, args.fault, nproc, window, rng)
                     t["bit_identical"] = t["finished"] and same_weights(reference, out)
                     trials.append(t)
                     print(f"{key} trial {i + 1}/{args.trials}: {t}", flush=True)
