@@ -381,7 +381,7 @@ def _compare(opts, argv) -> Path:
         done = runs_dir / spec.name / RESULT_FILE
         check_run_settings(runs_dir / spec.name, opts)
         (results.append(json.loads(done.read_text())) if done.is_file() else pending.append(spec.name))
-    command = "python -m scripts.compare " + " ".join(argv)
+    command = "python -m scripts.compare " + " ".join(a for a in argv if a != "--report-only")  # the command that trains
     notes = opts.notes.read_text() if opts.notes else ""
     path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes)
     print(f"\nwrote {path}" + (f" ({len(pending)} runs unfinished; rerun the same command to continue)" if pending else ""))
