@@ -4,8 +4,9 @@
     python -m scripts.fault_suite --trials 10 --fault sigterm --nproc 1 2   # a scheduler's SIGTERM, 1 and 2 processes
 
 Each trial runs a tiny Fashion-MNIST training (DeiT, then DiT) in a subprocess (under ``torchrun`` for
-``--nproc 2``) and stops it at a random moment of its training (between the set-up and the end, as timed on the
-uninterrupted run: a stop during the imports tests nothing): ``--fault sigkill`` kills it then or at a random seam of
+``--nproc 2``) and stops it at a random moment of its training (counted from the end of its set-up, within the
+training time of an uninterrupted run: a stop during the imports tests nothing): ``--fault sigkill`` kills it then
+or at a random seam of
 tests/faults.py (inside a checkpoint write, right after one, inside a weights write, mid-step, before the final
 outputs); ``--fault sigterm`` sends SIGTERM then, as SLURM or Kubernetes do before a kill (to
 ``torchrun`` with 2 processes, which passes it on), and expects the run to checkpoint and exit with status 4. Then it
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 from pathlib import Path
 
 from common.durable import atomic_write_text
@@ -41,6 +42,7 @@ RUNS = {
              "train.sample_every=6", "train.sample_count=2", "train.sample_steps=2"]),
 }
 COMMON = ["data.num_workers=1", "train.tensorboard=true", "train.threads=1"]
+STARTED = "metrics.jsonl"  # exists once a run has finished its set-up
 SEAMS = {"ckpt_write": 4, "ckpt_done": 4, "weights": 5, "step": 12, "final": 1}  # seam -> occurrences to draw from
 
 
@@ -56,10 +58,14 @@ def command(family: str, out: Path, fault=None, nproc: int = 1) -> list:
     return [sys.executable, *prefix, "-m", module, *args]
 
 
-def run(cmd, stop_after=None, stop_signal=signal.SIGKILL) -> int:
+def run(cmd, stop_after=None, stop_signal=signal.SIGKILL, started: Optional[Path] = None) -> int:
+    """Run ``cmd``; with ``stop_after``, send ``stop_signal`` that many seconds after ``started`` appears (after the
+    start without it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if stop_after is not None:
+        while started is not None and not started.is_file() and proc.poll() is None:
+            time.sleep(0.02)
         try:
             proc.wait(timeout=stop_after)
         except subprocess.TimeoutExpired:
@@ -69,12 +75,12 @@ def run(cmd, stop_after=None, stop_signal=signal.SIGKILL) -> int:
 
 def timed_reference(cmd, out: Path) -> Tuple[float, float]:
     """Run the uninterrupted run; (seconds until it started training, seconds in all). Training has started when
-    ``metrics.jsonl`` exists (its first record is written after the set-up, before step 1)."""
+    ``metrics.jsonl`` exists (:data:`STARTED`: its first record is written after the set-up, before step 1)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start, started = time.perf_counter(), None
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None:
-        if started is None and (out / "metrics.jsonl").is_file():
+        if started is None and (out / STARTED).is_file():
             started = time.perf_counter() - start
         time.sleep(0.02)
     assert proc.returncode == 0, f"the uninterrupted run failed: {' '.join(map(str, cmd))}"
@@ -94,11 +100,14 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 def trial(family: str, out: Path, fault: str, nproc: int, window: Tuple[float, float], rng: random.Random) -> dict:
-    """One stop at a random moment of the training ``window`` (seconds after the start, from the uninterrupted run:
-    a stop during the imports tests nothing) or at a seam, and the reruns that finish the run."""
+    """One stop at a random moment of the training (seconds after this run's set-up, within the training time of the
+    uninterrupted run, ``window``: a stop during the imports tests nothing) or at a seam, and the reruns that finish
+    the run."""
+    training_s = max(window[1] - window[0], 0.1)
     if fault == "sigterm":
-        how = {"sigterm_after_s": round(rng.uniform(*window), 2)}
-        code = run(command(family, out, nproc=nproc), stop_after=how["sigterm_after_s"], stop_signal=signal.SIGTERM)
+        how = {"sigterm_after_training_started_s": round(rng.uniform(0, training_s), 2)}
+        code = run(command(family, out, nproc=nproc), stop_after=how["sigterm_after_training_started_s"],
+                   stop_signal=signal.SIGTERM, started=out / STARTED)
         how["stopped"] = (out / "final_metrics.json").is_file() is False
         how["exit"] = code
     elif nproc == 1 and rng.random() < 0.5:
@@ -107,8 +116,9 @@ def trial(family: str, out: Path, fault: str, nproc: int, window: Tuple[float, f
         code = run(command(family, out, (seam, how["nth"])))
         how["stopped"] = code == -signal.SIGKILL
     else:
-        how = {"sigkill_after_s": round(rng.uniform(*window), 2)}
-        code = run(command(family, out, nproc=nproc), stop_after=how["sigkill_after_s"])
+        how = {"sigkill_after_training_started_s": round(rng.uniform(0, training_s), 2)}
+        code = run(command(family, out, nproc=nproc), stop_after=how["sigkill_after_training_started_s"],
+                   started=out / STARTED)
         how["stopped"] = code == -signal.SIGKILL
     reruns = 0
     while not (out / "final_metrics.json").is_file() and reruns < 3:
