@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-RANK_ERROR_DELAY_S = 5.0
+RANK_ERROR_DELAY_S = 10.0  # long enough for rank 0 to meet the same error on a loaded machine
 
 
 class InputError(ValueError):
