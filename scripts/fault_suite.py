@@ -58,11 +58,15 @@ def command(family: str, out: Path, fault=None, nproc: int = 1) -> list:
     return [sys.executable, *prefix, "-m", module, *args]
 
 
+def launch(cmd) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run(cmd, stop_after=None, stop_signal=signal.SIGKILL, started: Optional[Path] = None) -> int:
     """Run ``cmd``; with ``stop_after``, send ``stop_signal`` that many seconds after ``started`` appears (after the
     start without it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = launch(cmd)
     if stop_after is not None:
         while started is not None and not started.is_file() and proc.poll() is None:
             time.sleep(0.02)
@@ -76,9 +80,8 @@ def run(cmd, stop_after=None, stop_signal=signal.SIGKILL, started: Optional[Path
 def timed_reference(cmd, out: Path) -> Tuple[float, float]:
     """Run the uninterrupted run; (seconds until it started training, seconds in all). Training has started when
     ``metrics.jsonl`` exists (:data:`STARTED`: its first record is written after the set-up, before step 1)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start, started = time.perf_counter(), None
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = launch(cmd)
     while proc.poll() is None:
         if started is None and (out / STARTED).is_file():
             started = time.perf_counter() - start

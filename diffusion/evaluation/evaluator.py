@@ -195,29 +195,26 @@ class Evaluator:
                                                                **meta)
 
     def _reference_features(self, rank: int, world: int, gather) -> Dict[str, torch.Tensor]:
-        images = self.reference.images
-        image_set = images if isinstance(images, ImageSet) else open_images(images, self.value_range)
+        image_set = self._image_set(self.reference.images)
         if world == 1:
             return self.features(image_set)
         n = len(image_set)
-        start, stop = n * rank // world, n * (rank + 1) // world
-        by_layer = extract_features(image_set, self.extractor, self.batch_size, self.num_workers, self.progress,
-                                    start, stop)
-        shares = gather({role: by_layer[layer] for role, layer in self.layers.items()})
-        features = {role: torch.cat([share[role] for share in shares]) for role in self.layers}
-        if len(features[next(iter(self.layers))]) == 0:
-            raise MetricsError(f"{image_set.source}: no readable images")
-        return features
+        shares = gather(self.features(image_set, n * rank // world, n * (rank + 1) // world))
+        return {role: torch.cat([share[role] for share in shares]) for role in self.layers}
 
     def _cache_matches(self, ref: Reference) -> bool:
         info = ref.info
         return info.get("feature_extractor") == self.name and info.get("arr_0_features_layer") == self.layers[POOL]
 
-    def features(self, images) -> Dict[str, torch.Tensor]:
-        """One pass over ``images`` (any :func:`open_images` source or an :class:`ImageSet`): ``{role: float32
-        [N, D]}`` on the CPU for the roles the metrics read (``pool``, ``spatial``, ``logits``)."""
-        image_set = images if isinstance(images, ImageSet) else open_images(images, self.value_range)
-        by_layer = extract_features(image_set, self.extractor, self.batch_size, self.num_workers, self.progress)
+    def _image_set(self, images) -> ImageSet:
+        return images if isinstance(images, ImageSet) else open_images(images, self.value_range)
+
+    def features(self, images, start: int = 0, stop: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """One pass over ``images`` (any :func:`open_images` source or an :class:`ImageSet`; positions ``start ..
+        stop - 1``, all by default): ``{role: float32 [N, D]}`` on the CPU for the roles the metrics read
+        (``pool``, ``spatial``, ``logits``)."""
+        by_layer = extract_features(self._image_set(images), self.extractor, self.batch_size, self.num_workers,
+                                    self.progress, start, stop)
         return {role: by_layer[layer] for role, layer in self.layers.items()}
 
     def score(self, features: Dict[str, torch.Tensor]) -> Dict[str, float]:
