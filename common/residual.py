@@ -308,6 +308,15 @@ def _layer_norm_args(norm: nn.Module) -> Tuple[Optional[Tensor], Optional[Tensor
     return norm.weight, norm.bias, norm.eps
 
 
+def _fx_symbolic_tracing() -> bool:
+    """True while ``torch.fx.symbolic_trace`` runs, which cannot trace ``Function.apply`` (dynamo and export can).
+    Before ``is_fx_symbolic_tracing`` existed (torch 2.6), ``is_fx_tracing`` meant exactly that."""
+    fx = torch.fx._symbolic_trace
+    if hasattr(fx, "is_fx_symbolic_tracing"):
+        return fx.is_fx_symbolic_tracing()
+    return fx.is_fx_tracing() and not torch.compiler.is_compiling()
+
+
 def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, inp: nn.Module,
                        recompute: bool = False) -> Tuple[Tensor, Tensor]:
     """SiameseNorm's norm chain in front of a sublayer: ``X' = LN_post(X)`` and the input ``LN_in(X' + LN_pre(Y))``.
@@ -315,7 +324,7 @@ def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, in
     ``recompute`` runs it as :class:`SiameseNormChain` when autograd records (not while FX traces), which keeps
     less for backward; otherwise the three norm modules run as they are.
     """
-    if recompute and torch.is_grad_enabled() and not torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+    if recompute and torch.is_grad_enabled() and not _fx_symbolic_tracing():
         if y is x:  # the first block's streams are one tensor; dynamo traces Function.apply only on distinct inputs
             y = y.view_as(y)
         post_weight, post_bias, post_eps = _layer_norm_args(post)
