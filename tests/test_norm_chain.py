@@ -86,3 +86,28 @@ def test_no_autograd_runs_the_modules_and_other_norms_are_refused():
     assert out[0].grad_fn is None
     with pytest.raises(TypeError, match="fuses LayerNorms"):
         siamese_norm_chain(x, y, DyT(DIM), modules[1], modules[2], recompute=True)
+
+
+@pytest.mark.parametrize("torch_api", ["is_fx_symbolic_tracing", "is_fx_tracing_only"])
+def test_fx_symbolic_trace_runs_the_modules_on_every_torch(torch_api, monkeypatch):
+    """torch.fx cannot trace Function.apply, so under symbolic tracing the chain runs the three modules; torch 2.6
+    has only ``is_fx_tracing`` to say so (the floor), later releases ``is_fx_symbolic_tracing``."""
+    if torch_api == "is_fx_tracing_only":
+        monkeypatch.delattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", raising=False)
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.post, self.pre, self.inp = norms()
+
+        def forward(self, x, y):
+            return siamese_norm_chain(x, y, self.post, self.pre, self.inp, recompute=True)
+
+    chain = Chain()
+    x, y = streams()
+    traced = torch.fx.symbolic_trace(chain)
+    assert {n.target for n in traced.graph.nodes if n.op == "call_module"} == {"post", "pre", "inp"}
+    eager = chain(x, y)
+    assert type(eager[0].grad_fn).__name__ == "SiameseNormChainBackward"
+    for a, b in zip(traced(x, y), eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
