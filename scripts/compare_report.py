@@ -261,7 +261,8 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
     for topo in sorted({t for _, _, t in summary} - {"pre"}):
         diffs = paired_differences(summary, topo)
         if diffs:
-            lines += ["", f"Paired difference {topo} - pre (same seed), {label}:", ""]
+            lines += ["", f"Paired difference {topo} - pre (same seed), {label}: mean ± std over seeds (the 95% "
+                      "intervals are in the claims below):", ""]
             lines += [f"- depth {d}, lr {lr:g}: {_fmt(m, s, n)} over {n} seed(s)" for (d, lr), (m, s, n) in sorted(diffs.items())]
     lines += ["", "## Diverged runs", ""]
     diverged = [r for r in results if r["divergence"]["diverged"]]
