@@ -114,8 +114,8 @@ ONE_SEED = """One seed each: this shows that both topologies train, not which is
 setting (1 epoch, depth 6) SiameseNorm - Pre-Norm was -0.04 Top-1 (95% interval +-0.91; docs/results/deit_6seeds),
 and over 3 seeds of a micro-DiT at depth 4 it was -15 in Frechet distance (+-28; docs/results/dit_1500): single-seed
 gaps of that size are seed noise. Where the pre-registered studies (docs/results/deit_depth, dit_long) found
-a real gap, one seed does show it: DeiT at depth 12 or 24 for 3 epochs (+0.7 to +0.9 Top-1; SiameseNorm ahead in
-all 9 pairs), the micro-DiT at depth 8 for 3,000 steps (-14 in distance; lower in all 6 pairs)."""
+a real gap, one seed does show it: DeiT at depth 12 or 24 for 3 epochs (+1.0 Top-1 on average; SiameseNorm ahead
+in all 12 pairs), the micro-DiT at depth 8 for 3,000 steps (-14 in distance; lower in all 6 pairs)."""
 
 
 def print_table(rows: list) -> None:
