@@ -310,7 +310,7 @@ def _layer_norm_args(norm: nn.Module) -> Tuple[Optional[Tensor], Optional[Tensor
 
 def _fx_symbolic_tracing() -> bool:
     """True while ``torch.fx.symbolic_trace`` runs, which cannot trace ``Function.apply`` (dynamo and export can).
-    Before ``is_fx_symbolic_tracing`` existed (torch 2.6), ``is_fx_tracing`` meant exactly that."""
+    torch 2.6 lacks ``is_fx_symbolic_tracing``; the fallback computes it as later releases define it."""
     fx = torch.fx._symbolic_trace
     if hasattr(fx, "is_fx_symbolic_tracing"):
         return fx.is_fx_symbolic_tracing()
