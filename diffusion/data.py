@@ -3,7 +3,8 @@
 * :class:`DataConfig`: the ``data:`` section of a DiT recipe.
 * :class:`LatentImages`: a fresh latent per access, drawn from the VAE moments ``diffusion.extract_latents`` stored
   (the image or its mirror); :class:`PixelImages`: Fashion-MNIST in [-1, 1], padded, randomly mirrored.
-* :class:`DiffusionExamples`: ``(x0, label, t, noise, drop_label)``; every random choice of an example is made in
+* :class:`DiffusionExamples`: ``(x0, label, t, noise, drop_label)`` (``t``: DDPM's timestep, or the draw a
+  transport maps to its time); every random choice of an example is made in
   the dataset, so under :class:`common.data.SeededDataset` it depends only on the sample's seed (the same for any
   number of processes and after a resume).
 """
@@ -85,22 +86,35 @@ class LatentImages(Dataset):
         return draw_latent(self.moments, i, self.hflip)  # reads only the drawn view
 
 
+TIME_DRAWS = ("index", "uniform", "normal")
+
+
 class DiffusionExamples(Dataset):
     """A complete training example ``(x0, label, t, noise, drop_label)``. Together with the image dataset's
     own draws (latent, flip), all its randomness is drawn here, so that under :class:`SeededDataset` it
-    depends only on the sample's seed."""
+    depends only on the sample's seed.
 
-    def __init__(self, images: Dataset, num_timesteps: int, class_dropout_prob: float):
+    ``time_draw``: ``index``, DDPM's uniform timestep in ``[0, num_timesteps)``; ``uniform`` (U[0, 1)) or ``normal``
+    (N(0, 1)), the draws :meth:`diffusion.transport.Transport.training_times` maps to a transport's times.
+    """
+
+    def __init__(self, images: Dataset, num_timesteps: int, class_dropout_prob: float, time_draw: str = "index"):
+        if time_draw not in TIME_DRAWS:
+            raise ValueError(f"time_draw={time_draw!r}; choose one of {', '.join(TIME_DRAWS)}")
         self.images = images
         self.num_timesteps = num_timesteps
         self.class_dropout_prob = class_dropout_prob
+        self.time_draw = time_draw
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, i: int):
         x0, label = self.images[i]
-        t = torch.randint(self.num_timesteps, ())
+        if self.time_draw == "index":
+            t = torch.randint(self.num_timesteps, ())
+        else:
+            t = torch.rand(()) if self.time_draw == "uniform" else torch.randn(())
         noise = torch.randn_like(x0)
         drop = torch.rand(()) < self.class_dropout_prob
         return x0, label, t, noise, drop

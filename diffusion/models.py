@@ -306,22 +306,31 @@ class DiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, w * p)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None,
+                hidden_after: Optional[int] = None):
         """Predict ``(N, out_channels, H, W)`` from latents ``x (N, C, H, W)``, timesteps ``t (N,)``, labels ``y (N,)``.
 
         Labels are dropped to the null class with ``class_dropout_prob`` in training mode;
         ``force_drop_ids`` (1 = drop) overrides that choice per sample. The output has the dtype of
         the residual streams (fp32 under bf16 autocast), so the diffusion loss is computed in fp32.
+        ``t`` may be continuous (SiT's times in [0, 1]); the embedding takes any real value.
+        ``hidden_after=k`` also returns the tokens ``(N, T, D)`` after block ``k`` (1-based; REPA aligns them): the
+        stream a single-stream topology carries, and for the two-stream ones (SiameseNorm, ResiDual) ``Y``, the
+        plain accumulation ``embedding + sum of the block updates``, the quantity Pre-Norm's stream is.
         """
         tokens = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
         state = init_streams(tokens, self.topology)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
+        hidden = None
+        for i, block in enumerate(self.blocks):
             state = checkpoint(block, state, c, use_reentrant=False) if use_checkpoint else block(state, c)
+            if i + 1 == hidden_after:
+                hidden = state[1] if isinstance(state, tuple) else state
         out = self.unpatchify(self.final_layer(self.fusion(state), c))
         # Under autocast the streams stay fp32 but the last linear returns bf16; hand the loss the stream dtype.
-        return out.to(tokens.dtype)
+        out = out.to(tokens.dtype)
+        return out if hidden_after is None else (out, hidden)
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float,
                          guided_channels: Union[int, str] = 3) -> Tensor:
@@ -436,6 +445,7 @@ class DiTSpec:
     vae_sha256: Optional[str] = None  # fingerprint of the VAE that encoded the training latents, if recorded
     vae_scaling_factor: Optional[float] = None
     class_names: Optional[List[str]] = None  # one per class (WordNet ids, folder names), if recorded
+    transport: Optional[Dict[str, Any]] = None  # SiT's transport it was trained with (Transport.description()); None: DDPM
 
     def __post_init__(self):
         check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs, where="")
@@ -482,6 +492,8 @@ class DiTSpec:
                                                    "vae_sha256", "vae_scaling_factor")}}
         if self.class_names is not None:
             values["class_names"] = json.dumps(self.class_names)
+        if self.transport is not None:
+            values["transport"] = json.dumps(self.transport)
         return {k: str(v) for k, v in {**values, **extra}.items() if v is not None}
 
     @staticmethod
@@ -496,7 +508,8 @@ class DiTSpec:
                    "num_classes": ("num_classes", int), "autoencoder": ("autoencoder", str),
                    "num_timesteps": ("num_timesteps", int), "beta_start": ("beta_start", float),
                    "beta_end": ("beta_end", float), "vae_sha256": ("vae_sha256", str),
-                   "vae_scaling_factor": ("vae_scaling_factor", float), "class_names": ("class_names", json.loads)}
+                   "vae_scaling_factor": ("vae_scaling_factor", float), "class_names": ("class_names", json.loads),
+                   "transport": ("transport", json.loads)}
         return {field: fn(meta[key]) for key, (field, fn) in convert.items() if key in meta}
 
     @staticmethod
@@ -514,6 +527,10 @@ class DiTSpec:
                  "num_classes": data.get("num_classes"), "autoencoder": data.get("autoencoder"),
                  **{k: schedule.get(k) for k in ("num_timesteps", "beta_start", "beta_end")},
                  "class_names": None if class_names is None else list(class_names)}
+        if (config.get("transport") or {}).get("enabled"):
+            from diffusion.transport import transport_from_config
+
+            found["transport"] = transport_from_config(config["transport"]).description()
         if sample_shape is not None:
             found.update(in_channels=int(sample_shape[0]), input_size=int(sample_shape[1]))
         found.update({k: (vae or {}).get(k) for k in ("vae_sha256", "vae_scaling_factor")})

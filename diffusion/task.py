@@ -1,7 +1,8 @@
 """What DiT brings to the training loop (:mod:`common.trainer`): examples, model, diffusion loss, grids, FID.
 
 The objective is DiT's (:mod:`diffusion.gaussian_diffusion`): uniform t, epsilon MSE plus the VLB for the
-learned variance, AdamW at a constant learning rate, an EMA updated every step. After a step the task may save a
+learned variance; or, with ``transport.enabled``, SiT's stochastic interpolants (:mod:`diffusion.transport`).
+AdamW at a constant learning rate, an EMA updated every step. After a step the task may save a
 grid of EMA samples (``train.sample_every``) and score an in-training Frechet distance (``train.fid_every``):
 ``train.fid_samples`` images from diffusion.sample's sampler (sample ``i``: class ``i % num_classes``, noise seeded
 by ``(train.seed, i)``, no guidance) against ``train.fid_reference``, logged as ``fid/fd``. It is the number
@@ -25,7 +26,8 @@ from common.config import config_to_dict
 from common.data import resolve_num_workers
 from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.models import DiTSpec, check_dit_arguments
-from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, write_grid
+from diffusion.transport import Transport
+from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, sampling_objective, write_grid
 
 
 @dataclass(kw_only=True)
@@ -49,6 +51,34 @@ class DiffusionConfig:
 
 
 @dataclass(kw_only=True)
+class TransportConfig:
+    """SiT's stochastic interpolants (flow matching) in place of DDPM (:mod:`diffusion.transport`); off by default."""
+
+    enabled: bool = False  # true: train and sample the transport below; false: DDPM with the diffusion: section
+    path: Optional[Literal["linear", "gvp", "vp"]] = None  # x_t = alpha_t data + sigma_t noise; required when enabled
+    prediction: Optional[Literal["velocity", "noise", "score"]] = None  # the network's target; required when enabled
+    loss_weight: Literal["none", "velocity", "likelihood"] = "none"  # of a noise or score loss (SiT's weights)
+    train_eps: Optional[float] = None  # gap kept from the path's singular ends; null: SiT's for path and prediction
+    sample_eps: Optional[float] = None  # the same when sampling; null: SiT's
+    time_distribution: Optional[Literal["uniform", "logit_normal"]] = None  # training t: SiT's uniform, LightningDiT's
+    logit_normal_mean: Optional[float] = None  # t = sigmoid(mean + std * N(0, 1)); required for logit_normal
+    logit_normal_std: Optional[float] = None
+
+    def __post_init__(self):
+        if not self.enabled:
+            return
+        missing = [k for k in ("path", "prediction", "time_distribution") if getattr(self, k) is None]
+        if self.time_distribution == "logit_normal":
+            missing += [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"transport.enabled=true needs transport.{', transport.'.join(missing)} (configs/"
+                             "sit_recipe.yaml sets SiT's)")
+        from diffusion.transport import transport_from_config
+
+        transport_from_config(config_to_dict(self))  # a value the transport refuses fails here, before training
+
+
+@dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
     """AdamW at a constant learning rate, as DiT."""
 
@@ -66,11 +96,12 @@ class RunConfig(trainer.RunConfig):
     output_dir: str = "runs/dit"
     sample_every: int = 0  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
     sample_count: int  # images in a grid
-    sample_steps: int  # respaced DDPM steps for the grids
+    sample_steps: int  # respaced DDPM steps (transport: SiT's num_steps, the time grid's points) for the grids
+    sampler: Optional[str] = None  # grids and FID; null: ddpm (DDPM) or sde-euler (transport); else diffusion.sample's --sampler
     sample_cfg_scale: float = 1.0  # classifier-free guidance for the grids (1 = none)
     fid_every: int = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
     fid_samples: int  # images generated per evaluation (class i % num_classes, as diffusion.sample)
-    fid_steps: int  # respaced DDPM steps, no guidance
+    fid_steps: int  # respaced DDPM steps (transport: the time grid's points), no guidance
     fid_batch_size: int = 64  # samples per forward pass (diffusion.sample's --batch-size default)
     fid_reference: Optional[str] = None  # fashion-mnist:test, image folder, .npz images, or statistics .npz (ADM's)
     fid_feature_extractor: str  # inception-v3-compat (ADM's), or fmnist-cnn (the CPU recipe)
@@ -110,8 +141,16 @@ class TrainConfig:
     diffusion: DiffusionConfig
     optim: OptimConfig
     train: RunConfig
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self):
+        from diffusion.sampling import SAMPLERS, TRANSPORT_SAMPLERS
+
+        allowed = TRANSPORT_SAMPLERS if self.transport.enabled else SAMPLERS
+        if self.train.sampler is not None and self.train.sampler not in allowed:
+            raise ValueError(f"train.sampler={self.train.sampler!r} does not sample a "
+                             f"{'transport' if self.transport.enabled else 'DDPM'} model; choose one of "
+                             f"{', '.join(allowed)}, or null for {allowed[0] if not self.transport.enabled else 'sde-euler'}")
         if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
                 self.train.sample_every or self.train.fid_every):
             raise ValueError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
@@ -147,11 +186,12 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
 
 
 def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
-                  cfg_scale: float = 1.0, precision: str = "fp32") -> Sampler:
+                  cfg_scale: float = 1.0, precision: str = "fp32", sampler: Optional[str] = None) -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
-    return Sampler(ema_model, spec, decoder, spec.diffusion(sampling_steps=steps), cfg_scale=cfg_scale, seed=seed,
-                   device=str(device), precision=precision)
+    objective, name, flow = sampling_objective(spec, steps, sampler)
+    return Sampler(ema_model, spec, decoder, objective, name, cfg_scale=cfg_scale, seed=seed, device=str(device),
+                   precision=precision, flow=flow)
 
 
 @contextlib.contextmanager
@@ -242,11 +282,13 @@ class DiTTask(trainer.Task):
     loss_parts = ("mse", "vb")
     # Besides the trainer's own list: the learning rate and length (constant schedule: a longer run just goes on),
     # the VAE used for grids, and the grid / in-training FID settings.
-    resumable_changes = ("optim.lr", "optim.steps", "data.autoencoder", "train.sample_", "train.fid_")
+    resumable_changes = ("optim.lr", "optim.steps", "data.autoencoder", "train.sample_", "train.fid_", "train.sampler")
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.lr = cfg.optim.lr
+        if cfg.transport.enabled:
+            self.loss_parts = ("mse",)  # no variational bound: a learned-sigma network's second half is unused
         self.last_fid: dict = {}
         if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0 and cfg.train.sample_every:
             raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
@@ -256,8 +298,13 @@ class DiTTask(trainer.Task):
         self.accelerator = accelerator
         images = build_images(cfg.data)
         self.spec = model_spec(cfg, images)
-        self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob)
-        self.diffusion = self.spec.diffusion().to(accelerator.device)
+        if self.spec.transport is not None:
+            self.transport = Transport.from_description(self.spec.transport)
+            draw = "normal" if self.transport.time_distribution == "logit_normal" else "uniform"
+        else:
+            self.transport, draw = None, "index"
+            self.diffusion = self.spec.diffusion().to(accelerator.device)
+        self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob, draw)
         self.grid_sampler = self.fid_sampler = None
         self._samplers_built = False
         # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
@@ -280,7 +327,10 @@ class DiTTask(trainer.Task):
     def loss(self, model, batch):
         x0, y, t, noise, drop = batch
         kwargs = {"y": y, "force_drop_ids": drop.long() if self.cfg.model.class_dropout_prob > 0 else None}
-        losses = self.diffusion.training_losses(model, x0, t, noise, kwargs)
+        if self.transport is not None:
+            losses = self.transport.training_losses(model, x0, self.transport.training_times(t), noise, kwargs)
+        else:
+            losses = self.diffusion.training_losses(model, x0, t, noise, kwargs)
         return losses["loss"].mean(), {k: losses[k].mean() for k in self.loss_parts}
 
     def _build_samplers(self, ctx: trainer.StepContext) -> None:
@@ -295,12 +345,12 @@ class DiTTask(trainer.Task):
         decoder = self.decoder  # loaded in setup(), shared by both samplers
         if run.sample_every and main:
             self.grid_sampler = build_sampler(self.spec, weights, device, decoder, run.sample_steps, run.seed,
-                                              run.sample_cfg_scale)
+                                              run.sample_cfg_scale, sampler=run.sampler)
             self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none",
                                           names=self.spec.class_names)
         if run.fid_every:
             self.fid_sampler = build_sampler(self.spec, weights, device, decoder, run.fid_steps, run.seed,
-                                             precision=run.fid_precision)
+                                             precision=run.fid_precision, sampler=run.sampler)
 
     def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
         run, step = self.cfg.train, ctx.step
