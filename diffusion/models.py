@@ -356,10 +356,13 @@ class DiT(nn.Module):
     def convert_state_dict(state_dict: Dict[str, Tensor], model: Optional["DiT"] = None) -> Dict[str, Tensor]:
         """Public layouts -> ours (called by :func:`common.checkpoint.load_weights` before a strict load).
 
-        * official facebookresearch/DiT (Pre-Norm): the names are already ours;
+        * official facebookresearch/DiT (Pre-Norm) and SiT: the names are already ours;
         * public SiameseNorm DiT: ``blocks.i.prenorm{j}/postnorm{j}`` -> ``pre_norm{j}/post_norm{j}``,
-          top-level ``postnorm`` (applied to X) -> ``fusion.norm_x``, ``prenorm`` (applied to Y) -> ``fusion.norm_y``.
+          top-level ``postnorm`` (applied to X) -> ``fusion.norm_x``, ``prenorm`` (applied to Y) -> ``fusion.norm_y``;
+        * REPA's projector (``projectors.*``, :mod:`diffusion.repa`) trains only: dropped for a model without one.
         """
+        if model is None or not hasattr(model, "projectors"):
+            state_dict = {k: v for k, v in state_dict.items() if not k.startswith("projectors.")}
         if not any(k.startswith(("prenorm.", "postnorm.")) or ".prenorm" in k or ".postnorm" in k
                    for k in state_dict):
             return dict(state_dict)

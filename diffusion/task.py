@@ -79,6 +79,27 @@ class TransportConfig:
 
 
 @dataclass(kw_only=True)
+class RepaConfig:
+    """REPA: align the hidden state after block ``depth`` with a frozen encoder's patch features (diffusion.repa)."""
+
+    weight: float = 0.0  # the alignment loss's weight; 0: off (REPA: 0.5)
+    depth: Optional[int] = None  # the aligned block, 1-based (REPA: 8 of SiT-XL/2's 28)
+    encoder: Optional[str] = None  # timm name of the frozen encoder (REPA's DINOv2 ViT-B/14: vit_base_patch14_dinov2)
+    encoder_weights: Optional[str] = None  # its weights file; never downloaded
+    encoder_image_size: Optional[int] = None  # the encoder's input side (REPA: 224 for 256 px images)
+    projector_dim: Optional[int] = None  # the width of REPA's 3-layer MLP projector (2048)
+
+    def __post_init__(self):
+        if self.weight < 0:
+            raise ValueError(f"repa.weight={self.weight} must be >= 0 (0: no alignment)")
+        missing = [k for k in ("depth", "encoder", "encoder_weights", "encoder_image_size", "projector_dim")
+                   if self.weight and getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"repa.weight > 0 needs repa.{', repa.'.join(missing)} (configs/repa_recipe.yaml sets "
+                             "REPA's; repa.encoder_weights is your file of the encoder's weights)")
+
+
+@dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
     """AdamW at a constant learning rate, as DiT."""
 
@@ -142,6 +163,7 @@ class TrainConfig:
     optim: OptimConfig
     train: RunConfig
     transport: TransportConfig = field(default_factory=TransportConfig)
+    repa: RepaConfig = field(default_factory=RepaConfig)
 
     def __post_init__(self):
         from diffusion.sampling import SAMPLERS, TRANSPORT_SAMPLERS
@@ -289,6 +311,8 @@ class DiTTask(trainer.Task):
         self.lr = cfg.optim.lr
         if cfg.transport.enabled:
             self.loss_parts = ("mse",)  # no variational bound: a learned-sigma network's second half is unused
+        if cfg.repa.weight:
+            self.loss_parts = (*self.loss_parts, "repa")
         self.last_fid: dict = {}
         if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0 and cfg.train.sample_every:
             raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
@@ -296,7 +320,13 @@ class DiTTask(trainer.Task):
     def setup(self, accelerator) -> None:
         cfg = self.cfg
         self.accelerator = accelerator
-        images = build_images(cfg.data)
+        images = build_images(cfg.data, with_image=bool(cfg.repa.weight))
+        self.encoder = None
+        if cfg.repa.weight:
+            from diffusion.repa import FrozenEncoder
+
+            self.encoder = FrozenEncoder(cfg.repa.encoder, cfg.repa.encoder_weights, cfg.repa.encoder_image_size)
+            self.encoder.to(accelerator.device)
         self.spec = model_spec(cfg, images)
         if self.spec.transport is not None:
             self.transport = Transport.from_description(self.spec.transport)
@@ -317,7 +347,18 @@ class DiTTask(trainer.Task):
             self.fid.prepare(accelerator)
 
     def build_model(self) -> torch.nn.Module:
-        model = self.spec.build()
+        repa = self.cfg.repa
+        if repa.weight:
+            from diffusion.repa import RepaDiT
+
+            model = RepaDiT(align_depth=repa.depth, projector_dim=repa.projector_dim,
+                            feature_dim=self.encoder.feature_dim, **self.spec.dit_kwargs())
+            if model.x_embedder.num_patches != self.encoder.num_tokens:
+                raise ValueError(f"REPA aligns token by token: the DiT has {model.x_embedder.num_patches} tokens, "
+                                 f"{repa.encoder} at {repa.encoder_image_size} px gives {self.encoder.num_tokens}; "
+                                 "choose repa.encoder_image_size (or the patch sizes) so that they agree")
+        else:
+            model = self.spec.build()
         model.set_grad_checkpointing(self.cfg.model.grad_checkpointing)
         return model
 
@@ -325,12 +366,25 @@ class DiTTask(trainer.Task):
         return self.cfg.optim.steps
 
     def loss(self, model, batch):
-        x0, y, t, noise, drop = batch
+        x0, y, t, noise, drop, *image = batch  # image: REPA's encoder input
         kwargs = {"y": y, "force_drop_ids": drop.long() if self.cfg.model.class_dropout_prob > 0 else None}
+        network, projected = model, []
+        if self.encoder is not None:  # the one forward also hands out the projected tokens after block repa.depth
+
+            def network(x, timesteps, **kw):
+                out, tokens = model(x, timesteps, align=True, **kw)
+                projected.append(tokens)
+                return out
+
         if self.transport is not None:
-            losses = self.transport.training_losses(model, x0, self.transport.training_times(t), noise, kwargs)
+            losses = self.transport.training_losses(network, x0, self.transport.training_times(t), noise, kwargs)
         else:
-            losses = self.diffusion.training_losses(model, x0, t, noise, kwargs)
+            losses = self.diffusion.training_losses(network, x0, t, noise, kwargs)
+        if self.encoder is not None:
+            from diffusion.repa import alignment_loss
+
+            losses["repa"] = alignment_loss(self.encoder(image[0]), projected[0])
+            losses["loss"] = losses["loss"] + self.cfg.repa.weight * losses["repa"]
         return losses["loss"].mean(), {k: losses[k].mean() for k in self.loss_parts}
 
     def _build_samplers(self, ctx: trainer.StepContext) -> None:
