@@ -106,6 +106,7 @@ class FrozenEncoder(nn.Module):
         self.image_size = image_size
         self.register_buffer("mean", torch.tensor(model.pretrained_cfg["mean"]).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(model.pretrained_cfg["std"]).view(1, -1, 1, 1), persistent=False)
+        self.train(False)
 
     @property
     def num_tokens(self) -> int:
