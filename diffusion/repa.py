@@ -20,7 +20,7 @@ own checkpoints hold them too).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -77,13 +77,15 @@ class FrozenEncoder(nn.Module):
     """A timm ViT in eval mode without gradients: ``encoder(images (B, C, H, W), uint8 or in [0, 1]) -> patch
     tokens (B, T, D)``.
 
-    Built by ``timm.create_model(name, img_size=image_size)``; its weights are read from ``weights`` (safetensors or a
-    torch state dict, timm's or the original DINOv2 layout, converted and the position embedding resampled to the input
-    grid by timm's ``checkpoint_filter_fn``, as REPA resamples it), never downloaded. Grey images are repeated to the
-    encoder's three channels.
+    Built by ``timm.create_model(name, img_size=image_size, **kwargs)``; its weights are read from ``weights``
+    (safetensors or a torch state dict, timm's or the original DINOv2 layout, converted and the position embedding
+    resampled to the input grid by timm's ``checkpoint_filter_fn``, as REPA resamples it), never downloaded. Images are
+    normalised by ``mean`` and ``std`` (default: the timm model's, ImageNet's for DINOv2); grey images are repeated to
+    the encoder's three channels.
     """
 
-    def __init__(self, name: str, weights: str, image_size: int):
+    def __init__(self, name: str, weights: str, image_size: int, kwargs: Optional[dict] = None,
+                 mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
         super().__init__()
         import timm
         from timm.models.vision_transformer import checkpoint_filter_fn
@@ -94,18 +96,20 @@ class FrozenEncoder(nn.Module):
             raise EncoderError(f"repa.encoder_weights={weights}: no such file; give the frozen encoder's weights (e.g. "
                                "DINOv2 ViT-B/14's, saved from timm or torch.hub); nothing is downloaded")
         try:
-            model = timm.create_model(name, pretrained=False, num_classes=0, img_size=image_size)
-        except RuntimeError as err:
+            model = timm.create_model(name, pretrained=False, num_classes=0, img_size=image_size, **(kwargs or {}))
+        except (RuntimeError, TypeError) as err:
             raise EncoderError(f"repa.encoder={name!r}: {err}") from None
         state = checkpoint_filter_fn(unwrap_state_dict(read_file(weights)), model)
+        state = {k: v for k, v in state.items() if not k.startswith(("head.", "head_dist."))}  # a classifier's head
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise EncoderError(f"repa.encoder_weights={weights} does not fit {name}: missing {missing[:5]}, unexpected "
                                f"{unexpected[:5]}")
         self.model = model.eval().requires_grad_(False)
         self.image_size = image_size
-        self.register_buffer("mean", torch.tensor(model.pretrained_cfg["mean"]).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(model.pretrained_cfg["std"]).view(1, -1, 1, 1), persistent=False)
+        mean, std = mean or model.pretrained_cfg["mean"], std or model.pretrained_cfg["std"]
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.train(False)
 
     @property

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Literal, Optional
+from typing import Any, ClassVar, Dict, List, Literal, Optional
 
 import numpy as np
 import torch
@@ -87,6 +87,9 @@ class RepaConfig:
     encoder: Optional[str] = None  # timm name of the frozen encoder (REPA's DINOv2 ViT-B/14: vit_base_patch14_dinov2)
     encoder_weights: Optional[str] = None  # its weights file; never downloaded
     encoder_image_size: Optional[int] = None  # the encoder's input side (REPA: 224 for 256 px images)
+    encoder_kwargs: Dict[str, Any] = field(default_factory=dict)  # further timm.create_model arguments (sizes)
+    encoder_mean: Optional[List[float]] = None  # input normalisation; null: the timm model's (ImageNet's for DINOv2)
+    encoder_std: Optional[List[float]] = None
     projector_dim: Optional[int] = None  # the width of REPA's 3-layer MLP projector (2048)
 
     def __post_init__(self):
@@ -325,7 +328,8 @@ class DiTTask(trainer.Task):
         if cfg.repa.weight:
             from diffusion.repa import FrozenEncoder
 
-            self.encoder = FrozenEncoder(cfg.repa.encoder, cfg.repa.encoder_weights, cfg.repa.encoder_image_size)
+            self.encoder = FrozenEncoder(cfg.repa.encoder, cfg.repa.encoder_weights, cfg.repa.encoder_image_size,
+                                         cfg.repa.encoder_kwargs, cfg.repa.encoder_mean, cfg.repa.encoder_std)
             self.encoder.to(accelerator.device)
         self.spec = model_spec(cfg, images)
         if self.spec.transport is not None:
