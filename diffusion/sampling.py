@@ -340,8 +340,9 @@ def sampling_objective(spec: DiTSpec, steps: int, sampler: Optional[str] = None,
         flow = FlowSampling(sampler=sampler or "sde-euler", steps=steps, **flow_options)
         return Transport.from_description(spec.transport), flow.sampler, flow
     if sampler in TRANSPORT_SAMPLERS or flow_options:
-        raise SamplingError(f"this model was trained with DDPM: sample it with {' or '.join(SAMPLERS)}; {sampler or ''} "
-                            f"{' '.join(sorted(flow_options))} are a transport model's options".replace("  ", " "))
+        given = [f"sampler {sampler}"] * (sampler in TRANSPORT_SAMPLERS) + [k.replace("_", " ") for k in sorted(flow_options)]
+        raise SamplingError(f"this model was trained with DDPM: sample it with {' or '.join(SAMPLERS)}; "
+                            f"{', '.join(given)}: a transport model's options (SiT's)")
     sampler = sampler or "ddpm"
     spacing = spacing or ("ddim" if sampler == "ddim" else "even")
     try:
