@@ -26,8 +26,8 @@ from common.config import config_to_dict
 from common.data import resolve_num_workers
 from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.models import DiTSpec, check_dit_arguments
-from diffusion.transport import Transport
 from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, sampling_objective, write_grid
+from diffusion.transport import Transport, transport_from_config
 
 
 @dataclass(kw_only=True)
@@ -72,9 +72,7 @@ class TransportConfig:
             missing += [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
         if missing:
             raise ValueError(f"transport.enabled=true needs transport.{', transport.'.join(missing)} (configs/"
-                             "sit_recipe.yaml sets SiT's)")
-        from diffusion.transport import transport_from_config
-
+                             "sit.yaml sets SiT's)")
         transport_from_config(config_to_dict(self))  # a value the transport refuses fails here, before training
 
 
@@ -98,7 +96,7 @@ class RepaConfig:
         missing = [k for k in ("depth", "encoder", "encoder_weights", "encoder_image_size", "projector_dim")
                    if self.weight and getattr(self, k) is None]
         if missing:
-            raise ValueError(f"repa.weight > 0 needs repa.{', repa.'.join(missing)} (configs/repa_recipe.yaml sets "
+            raise ValueError(f"repa.weight > 0 needs repa.{', repa.'.join(missing)} (configs/repa.yaml sets "
                              "REPA's; repa.encoder_weights is your file of the encoder's weights)")
 
 
@@ -173,9 +171,9 @@ class TrainConfig:
 
         allowed = TRANSPORT_SAMPLERS if self.transport.enabled else SAMPLERS
         if self.train.sampler is not None and self.train.sampler not in allowed:
-            raise ValueError(f"train.sampler={self.train.sampler!r} does not sample a "
-                             f"{'transport' if self.transport.enabled else 'DDPM'} model; choose one of "
-                             f"{', '.join(allowed)}, or null for {allowed[0] if not self.transport.enabled else 'sde-euler'}")
+            kind = "transport" if self.transport.enabled else "DDPM"
+            raise ValueError(f"train.sampler={self.train.sampler!r} does not sample a {kind} model; choose one of "
+                             f"{', '.join(allowed)} (null: {'sde-euler' if self.transport.enabled else 'ddpm'})")
         if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
                 self.train.sample_every or self.train.fid_every):
             raise ValueError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
