@@ -1,6 +1,8 @@
 """diffusion.transport and its samplers against a re-statement of SiT's transport package (tests/sit_reference.py):
 losses to 1e-6 relative on the same x0, x1, t; sampler chains to 1e-5 on the same noise and model; REPA's and
 LightningDiT's guidance rules; SiT's checkpoint layout through diffusion.sample."""
+import json
+
 import pytest
 import torch
 
@@ -209,3 +211,24 @@ def test_a_plain_sit_checkpoint_samples_through_diffusion_sample(tmp_path):
     assert protocol["sampler"] == "sde-euler" and protocol["last_step"] == "mean"
     assert protocol["time_grid"] == pytest.approx([0.0, 0.32, 0.64, 0.96], abs=1e-6)
     assert result["protocol"]["model"]["name"] == "DiT-S/4"
+
+
+def test_a_transport_model_shares_as_a_hub_folder_and_refuses_the_ddpm_pipeline(model, tmp_path):
+    from common.checkpoint import save_weights
+    from diffusion.export import main as export_main
+    from diffusion.models import load_dit
+
+    transport = Transport("gvp", "noise").description()
+    meta = {"model": "DiT-S/4", "topology": "pre", "in_channels": 2, "input_size": 8, "num_classes": 5,
+            "autoencoder": "none", "model_kwargs": json.dumps({"hidden_size": 32, "depth": 2, "num_heads": 2}),
+            "transport": json.dumps(transport)}
+    save_weights(model, tmp_path / "ema.safetensors", metadata=meta)
+    export_main(["--checkpoint", str(tmp_path / "ema.safetensors"), "--out", str(tmp_path / "hub"), "--format", "hub"])
+    shared, spec, _ = load_dit(tmp_path / "hub")
+    assert spec.transport == transport
+    x, t = torch.randn(3, *SHAPE), torch.rand(3)
+    torch.testing.assert_close(shared(x, t, LABELS), model(x, t, LABELS))
+    with pytest.raises(SystemExit):
+        export_main(["--checkpoint", str(tmp_path / "ema.safetensors"), "--out", str(tmp_path / "pipe"),
+                     "--format", "diffusers"])
+    assert not (tmp_path / "pipe" / "model_index.json").exists()
