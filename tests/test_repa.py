@@ -99,3 +99,18 @@ def test_frozen_encoder_reads_a_dinov2_hub_file_as_repa_prepares_it(tmp_path):
     torch.testing.assert_close(encoder(images), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         FrozenEncoder("vit_small_patch14_dinov2", str(tmp_path / "missing.pth"), 112)
+
+
+def test_repa_costs_prints_the_figures_docs_quote(capsys):
+    """scripts.repa_costs: bytes from the shapes, FLOPs counted on meta tensors (the numbers of docs/dit.md)."""
+    from scripts.repa_costs import main
+
+    result = main(["--images", "1000"])
+    per = result["bytes_per_image"]
+    assert per["images (uint8)"] == 3 * 256 * 256 and per["features (fp16, 2 views)"] == 2 * 256 * 768 * 2
+    assert result["gigabytes"]["images (uint8)"] == pytest.approx(1000 * 196608 / 1e9)
+    share = result["encoder_share_of_a_step"]
+    assert share["DiT-XL/2"] == pytest.approx(result["encoder_gflops"] / result["training_example_gflops"]["DiT-XL/2"])
+    assert round(result["encoder_gflops"], 1) == 46.3 and round(100 * share["DiT-XL/2"], 1) == 6.5
+    assert round(100 * share["DiT-B/2"], 1) == 33.6
+    assert "the encoder adds 6.5%" in capsys.readouterr().out
