@@ -294,13 +294,21 @@ def test_flow_matching_recipe_trains_and_its_in_training_fid_is_sample_then_fid(
 
 
 def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
-    """SiT's objective with REPA, logit-normal times: 1 process and 2 processes (gloo) train the same weights; the
-    projector is saved with the EMA and left out when sampling it."""
+    """SiT's objective with REPA, logit-normal times: 1 process and 2 processes (gloo) train the same weights and log
+    the same in-training FID with the Heun ODE; the projector is saved with the EMA and left out when sampling it."""
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+
     repa = tiny_encoder(tmp_path / "encoder.safetensors")
+    torch.manual_seed(0)
+    save_weights(FashionMNISTClassifier(), tmp_path / "fmnist_cnn.safetensors")
     args = ["--config", str(ROOT / "configs/fmnist_sit_siamese.yaml"), *TINY, *SMALL, *repa,
             "transport.time_distribution=logit_normal", "transport.logit_normal_mean=0.0",
-            "transport.logit_normal_std=1.0"]
-    main([*args, f"train.output_dir={tmp_path / 'one'}"])
+            "transport.logit_normal_std=1.0", "train.fid_every=6", "train.fid_samples=12", "train.fid_batch_size=4",
+            "train.fid_steps=3", "train.sampler=heun", "train.fid_reference=fashion-mnist:test",
+            "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={tmp_path / 'fmnist_cnn.safetensors'}"]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        main([*args, f"train.output_dir={tmp_path / 'one'}"])
     records = [r for r in read_metrics(tmp_path / "one") if "train/loss" in r]
     assert all(r["train/loss"] == pytest.approx(r["train/mse"] + 0.5 * r["train/repa"], rel=1e-5) for r in records)
     assert all(-1 <= r["train/repa"] <= 1 for r in records) and records[-1]["train/repa"] < records[0]["train/repa"]
@@ -312,6 +320,8 @@ def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
     same_weights(tmp_path / "one", tmp_path / "two", exact=False)
     two = [r["train/loss"] for r in read_metrics(tmp_path / "two") if "train/loss" in r]
     assert two == pytest.approx([r["train/loss"] for r in records], rel=1e-5)
+    (fid_one,), (fid_two,) = ([r["fid/fd"] for r in read_metrics(tmp_path / d) if "fid/fd" in r] for d in ("one", "two"))
+    assert fid_two == pytest.approx(fid_one, rel=1e-4)  # each process samples its chunks, the main one scores
     assert any(k.startswith("projectors.") for k in load_file(tmp_path / "one" / "ema.safetensors"))
     from diffusion.models import load_dit
 

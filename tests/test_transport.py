@@ -232,3 +232,46 @@ def test_a_transport_model_shares_as_a_hub_folder_and_refuses_the_ddpm_pipeline(
         export_main(["--checkpoint", str(tmp_path / "ema.safetensors"), "--out", str(tmp_path / "pipe"),
                      "--format", "diffusers"])
     assert not (tmp_path / "pipe" / "model_index.json").exists()
+
+
+def test_two_processes_sample_a_transport_model_as_one_and_record_its_sampler(model, tmp_path):
+    """diffusion.sample on a transport model (SiT's SDE with guidance on an interval): 2 processes (gloo) give the
+    same sample set as 1; the protocol records the sampler, its options and grid; a rerun with another interval is
+    refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.images import read_sampling_protocol
+    from diffusion.sample import main
+    from tests.test_diffusion_train import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    meta = {"model": "DiT-S/4", "topology": "pre", "in_channels": 2, "input_size": 8, "num_classes": 5,
+            "autoencoder": "none", "model_kwargs": json.dumps({"hidden_size": 32, "depth": 2, "num_heads": 2}),
+            "transport": json.dumps(Transport("linear", "velocity").description())}
+    ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=meta)
+
+    def args(out, *extra):
+        return ["--checkpoint", str(ckpt), "--num-samples", "6", "--out-dir", str(out), "--batch-size", "2",
+                "--steps", "5", "--seed", "3", "--quiet", "--cfg-scale", "2", "--guided-channels", "all",
+                "--guidance-interval", "0.3,1", *extra]
+
+    main(args(tmp_path / "one"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "diffusion.sample", *args(tmp_path / "two")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = np.load(tmp_path / "one" / "samples.npz"), np.load(tmp_path / "two" / "samples.npz")
+    np.testing.assert_array_equal(a["arr_0"], b["arr_0"])
+    protocol = read_sampling_protocol(tmp_path / "two" / "samples.npz")
+    assert (protocol["sampler"], protocol["steps"], protocol["guidance_interval"], protocol["num_processes"]) == (
+        "sde-euler", 5, [0.3, 1.0], 2)
+    assert protocol["diffusion_form"] == "sigma" and len(protocol["time_grid"]) == 5
+    with pytest.raises(SystemExit, match="other settings.*guidance_interval"):
+        main(args(tmp_path / "one", "--guidance-interval", "0.5,1"))
