@@ -299,13 +299,19 @@ def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
     from common.checkpoint import save_weights
     from diffusion.evaluation.features import FashionMNISTClassifier
 
+    import numpy as np
+
+    from common.data import load_fashion_mnist
+
     repa = tiny_encoder(tmp_path / "encoder.safetensors")
     torch.manual_seed(0)
     save_weights(FashionMNISTClassifier(), tmp_path / "fmnist_cnn.safetensors")
+    reference = tmp_path / "reference.npz"  # 64 test images: a reference that is quick to read on two processes
+    np.savez(reference, arr_0=np.pad(load_fashion_mnist("test")[0][:64], ((0, 0), (2, 2), (2, 2))))
     args = ["--config", str(ROOT / "configs/fmnist_sit_siamese.yaml"), *TINY, *SMALL, *repa,
             "transport.time_distribution=logit_normal", "transport.logit_normal_mean=0.0",
             "transport.logit_normal_std=1.0", "train.fid_every=6", "train.fid_samples=12", "train.fid_batch_size=4",
-            "train.fid_steps=3", "train.sampler=heun", "train.fid_reference=fashion-mnist:test",
+            "train.fid_steps=3", "train.sampler=heun", f"train.fid_reference={reference}",
             "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={tmp_path / 'fmnist_cnn.safetensors'}"]
     with pytest.warns(UserWarning, match="covariance is singular"):
         main([*args, f"train.output_dir={tmp_path / 'one'}"])
