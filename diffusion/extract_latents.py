@@ -100,6 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", default="auto", help="image-decoding worker processes per process; auto: the "
                    "CPUs of this machine / its processes - 1")
     p.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="float16", help="storage precision of the moments")
+    p.add_argument("--images", action="store_true", help="also store each center-cropped image (uint8, 3 x S x S: "
+                   "192 KiB at 256 px, 252 GB for ImageNet-1k) for REPA's encoder, which must see the pixels the latent "
+                   "came from (docs/dit.md)")
     args = p.parse_args(argv)
     for name in ("image_size", "batch_size", "shard_size"):
         if getattr(args, name) < 1:
@@ -149,6 +152,7 @@ def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_
         "latent_shape": list(latent_shape),
         "dtype": json.loads(settings["dtype"]),
         "views": ["image", "hflip"],
+        "images": json.loads(settings.get("images", "false")),
         "classes": list(classes),
         "count": sum(s["count"] for s in shards),
         "num_listed": json.loads(settings["num_listed"]),
@@ -174,7 +178,7 @@ def extract(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     settings = shard_settings(
         vae=args.vae, vae_sha256=vae_sha256, image_size=args.image_size, shard_size=args.shard_size, dtype=args.dtype,
-        num_listed=len(files), classes=files.classes,
+        num_listed=len(files), classes=files.classes, **({"images": True} if args.images else {}),
     )
     num_shards = math.ceil(len(files) / args.shard_size)
     mine = list(range(rank, num_shards, world))
@@ -196,7 +200,7 @@ def extract(args) -> dict:
         subset = Subset(files, range(k * args.shard_size, min((k + 1) * args.shard_size, len(files))))
         loader = DataLoader(subset, batch_size=args.batch_size, num_workers=resolve_num_workers(args.num_workers),
                             collate_fn=collate)
-        means, logvars, labels, indices, skipped = [], [], [], [], []
+        means, logvars, labels, indices, skipped, pixels = [], [], [], [], [], []
         for images, batch_labels, batch_indices, bad in loader:
             for name, err in bad:
                 tqdm.write(f"skipping unreadable image {name}: {err}", file=sys.stderr)
@@ -204,6 +208,8 @@ def extract(args) -> dict:
             if images is not None:
                 mean, logvar = encode_moments(vae, images.to(accelerator.device))
                 means.append(mean.to(store).cpu())
+                if args.images:  # the exact uint8 pixels the VAE saw: image_to_tensor is x / 127.5 - 1
+                    pixels.append(images.add(1.0).mul(127.5).round().to(torch.uint8))
                 logvars.append(logvar.to(store).cpu())
                 labels += batch_labels
                 indices += batch_indices
@@ -212,6 +218,8 @@ def extract(args) -> dict:
         write_shard(
             out / shard_name(k), torch.cat(means) if means else empty, torch.cat(logvars) if logvars else empty,
             labels, indices, skipped, settings,
+            images=(torch.cat(pixels) if pixels else torch.zeros(0, 3, args.image_size, args.image_size,
+                                                                 dtype=torch.uint8)) if args.images else None,
         )
     bar.close()
     accelerator.wait_for_everyone()

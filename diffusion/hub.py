@@ -37,12 +37,13 @@ class DiTModel(DiT, ModelMixin, ConfigMixin):
     def __init__(self, name: str, topology: str, learn_sigma: bool, class_dropout_prob: float, in_channels: int,
                  input_size: int, num_classes: int, autoencoder: str, num_timesteps: int, beta_start: float,
                  beta_end: float, model_kwargs: Optional[Dict[str, Any]] = None, vae_sha256: Optional[str] = None,
-                 vae_scaling_factor: Optional[float] = None, class_names: Optional[List[str]] = None):
+                 vae_scaling_factor: Optional[float] = None, class_names: Optional[List[str]] = None,
+                 transport: Optional[Dict[str, Any]] = None):
         spec = DiTSpec(name=name, topology=topology, learn_sigma=learn_sigma, class_dropout_prob=class_dropout_prob,
                        in_channels=in_channels, input_size=input_size, num_classes=num_classes,
                        autoencoder=autoencoder, num_timesteps=num_timesteps, beta_start=beta_start,
                        beta_end=beta_end, kwargs=dict(model_kwargs or {}), vae_sha256=vae_sha256,
-                       vae_scaling_factor=vae_scaling_factor, class_names=class_names)
+                       vae_scaling_factor=vae_scaling_factor, class_names=class_names, transport=transport)
         super().__init__(**spec.dit_kwargs())
         self.spec = spec
 

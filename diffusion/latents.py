@@ -102,8 +102,9 @@ def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor,
     return latent_from_moments(mean[rows, view].float(), logvar[rows, view].float(), noise, scale)
 
 
-def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True):
-    """A fresh training latent of image ``i`` and its label: ``(latent (C, h, w), label)``.
+def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True, with_image: bool = False):
+    """A fresh training latent of image ``i`` and its label: ``(latent (C, h, w), label)``; ``with_image`` appends the
+    stored pixels of the same view (uint8 (3, S, S), mirrored with the latent).
 
     Draws the flip (view 1, the mirror, with probability 1/2 when ``hflip``), reads only that view's moments
     (:meth:`LatentDataset.read_view`, half the bytes), then draws the noise: the same torch draws in the same
@@ -113,7 +114,8 @@ def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True):
     flip = bool(torch.rand(1) < 0.5) if hflip else False
     mean, logvar, label = moments.read_view(i, int(flip))
     noise = torch.randn(mean.shape)
-    return latent_from_moments(mean, logvar, noise, moments.scaling_factor), label
+    latent = latent_from_moments(mean, logvar, noise, moments.scaling_factor)
+    return (latent, label, moments.read_image(i, int(flip))) if with_image else (latent, label)
 
 
 # ------------------------------------------------------------------------------------------- shards
@@ -198,14 +200,25 @@ class LatentDataset(Dataset):
         logvar = h.get_slice("logvar")[row : row + 1, view : view + 1][0, 0].float()
         return mean, logvar, int(self.labels[i])
 
+    def read_image(self, i: int, view: int) -> torch.Tensor:
+        """The stored center-cropped image of ``i`` (``--images``), mirrored for view 1: uint8 (3, S, S)."""
+        if not self.metadata.get("images"):
+            raise ValueError(f"the latents in {self.root} hold no images: extract them again with --images (REPA's "
+                             "encoder reads the pixels each latent came from)")
+        h, row = self._locate(i)
+        image = h.get_slice("image")[row : row + 1][0]
+        return image.flip(-1) if view else image
+
 
 def shard_settings(**settings) -> dict:
     """Extraction settings stored in every shard; a resumed run must use the same ones."""
     return {k: json.dumps(v) for k, v in sorted(settings.items())}
 
 
-def write_shard(path: Path, mean, logvar, labels, indices, skipped: Sequence[str], settings: dict) -> None:
-    """Write one shard atomically (temporary file, then rename), so a killed run leaves no half shard."""
+def write_shard(path: Path, mean, logvar, labels, indices, skipped: Sequence[str], settings: dict,
+                images: Optional[torch.Tensor] = None) -> None:
+    """Write one shard atomically (temporary file, then rename), so a killed run leaves no half shard. ``images``
+    (uint8, N x 3 x S x S), if given, are stored as tensor ``image``."""
     from safetensors.torch import save_file
 
     c, h, w = mean.shape[-3:]
@@ -215,6 +228,8 @@ def write_shard(path: Path, mean, logvar, labels, indices, skipped: Sequence[str
         "label": torch.as_tensor(labels, dtype=torch.long),
         "index": torch.as_tensor(indices, dtype=torch.long),
     }
+    if images is not None:
+        tensors["image"] = images.contiguous()
     meta = dict(settings, skipped=json.dumps(list(skipped)))
     with atomic_write(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)

@@ -306,22 +306,31 @@ class DiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, w * p)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None,
+                hidden_after: Optional[int] = None):
         """Predict ``(N, out_channels, H, W)`` from latents ``x (N, C, H, W)``, timesteps ``t (N,)``, labels ``y (N,)``.
 
         Labels are dropped to the null class with ``class_dropout_prob`` in training mode;
         ``force_drop_ids`` (1 = drop) overrides that choice per sample. The output has the dtype of
         the residual streams (fp32 under bf16 autocast), so the diffusion loss is computed in fp32.
+        ``t`` may be continuous (SiT's times in [0, 1]); the embedding takes any real value.
+        ``hidden_after=k`` also returns the tokens ``(N, T, D)`` after block ``k`` (1-based; REPA aligns them): the
+        stream a single-stream topology carries, and for the two-stream ones (SiameseNorm, ResiDual) ``Y``, the
+        plain accumulation ``embedding + sum of the block updates``, the quantity Pre-Norm's stream is.
         """
         tokens = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
         state = init_streams(tokens, self.topology)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
+        hidden = None
+        for i, block in enumerate(self.blocks):
             state = checkpoint(block, state, c, use_reentrant=False) if use_checkpoint else block(state, c)
+            if i + 1 == hidden_after:
+                hidden = state[1] if isinstance(state, tuple) else state
         out = self.unpatchify(self.final_layer(self.fusion(state), c))
         # Under autocast the streams stay fp32 but the last linear returns bf16; hand the loss the stream dtype.
-        return out.to(tokens.dtype)
+        out = out.to(tokens.dtype)
+        return out if hidden_after is None else (out, hidden)
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float,
                          guided_channels: Union[int, str] = 3) -> Tensor:
@@ -347,10 +356,13 @@ class DiT(nn.Module):
     def convert_state_dict(state_dict: Dict[str, Tensor], model: Optional["DiT"] = None) -> Dict[str, Tensor]:
         """Public layouts -> ours (called by :func:`common.checkpoint.load_weights` before a strict load).
 
-        * official facebookresearch/DiT (Pre-Norm): the names are already ours;
+        * official facebookresearch/DiT (Pre-Norm) and SiT: the names are already ours;
         * public SiameseNorm DiT: ``blocks.i.prenorm{j}/postnorm{j}`` -> ``pre_norm{j}/post_norm{j}``,
-          top-level ``postnorm`` (applied to X) -> ``fusion.norm_x``, ``prenorm`` (applied to Y) -> ``fusion.norm_y``.
+          top-level ``postnorm`` (applied to X) -> ``fusion.norm_x``, ``prenorm`` (applied to Y) -> ``fusion.norm_y``;
+        * REPA's projector (``projectors.*``, :mod:`diffusion.repa`) trains only: dropped for a model without one.
         """
+        if model is None or not hasattr(model, "projectors"):
+            state_dict = {k: v for k, v in state_dict.items() if not k.startswith("projectors.")}
         if not any(k.startswith(("prenorm.", "postnorm.")) or ".prenorm" in k or ".postnorm" in k
                    for k in state_dict):
             return dict(state_dict)
@@ -436,6 +448,7 @@ class DiTSpec:
     vae_sha256: Optional[str] = None  # fingerprint of the VAE that encoded the training latents, if recorded
     vae_scaling_factor: Optional[float] = None
     class_names: Optional[List[str]] = None  # one per class (WordNet ids, folder names), if recorded
+    transport: Optional[Dict[str, Any]] = None  # SiT's transport it was trained with (Transport.description()); None: DDPM
 
     def __post_init__(self):
         check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs, where="")
@@ -482,6 +495,8 @@ class DiTSpec:
                                                    "vae_sha256", "vae_scaling_factor")}}
         if self.class_names is not None:
             values["class_names"] = json.dumps(self.class_names)
+        if self.transport is not None:
+            values["transport"] = json.dumps(self.transport)
         return {k: str(v) for k, v in {**values, **extra}.items() if v is not None}
 
     @staticmethod
@@ -496,7 +511,8 @@ class DiTSpec:
                    "num_classes": ("num_classes", int), "autoencoder": ("autoencoder", str),
                    "num_timesteps": ("num_timesteps", int), "beta_start": ("beta_start", float),
                    "beta_end": ("beta_end", float), "vae_sha256": ("vae_sha256", str),
-                   "vae_scaling_factor": ("vae_scaling_factor", float), "class_names": ("class_names", json.loads)}
+                   "vae_scaling_factor": ("vae_scaling_factor", float), "class_names": ("class_names", json.loads),
+                   "transport": ("transport", json.loads)}
         return {field: fn(meta[key]) for key, (field, fn) in convert.items() if key in meta}
 
     @staticmethod
@@ -514,6 +530,10 @@ class DiTSpec:
                  "num_classes": data.get("num_classes"), "autoencoder": data.get("autoencoder"),
                  **{k: schedule.get(k) for k in ("num_timesteps", "beta_start", "beta_end")},
                  "class_names": None if class_names is None else list(class_names)}
+        if (config.get("transport") or {}).get("enabled"):
+            from diffusion.transport import transport_from_config
+
+            found["transport"] = transport_from_config(config["transport"]).description()
         if sample_shape is not None:
             found.update(in_channels=int(sample_shape[0]), input_size=int(sample_shape[1]))
         found.update({k: (vae or {}).get(k) for k in ("vae_sha256", "vae_scaling_factor")})

@@ -45,6 +45,10 @@ class DiTSamplingPipeline(DiffusionPipeline):
     @classmethod
     def from_dit(cls, model: DiT, spec: DiTSpec, vae: Optional[AutoencoderKL] = None) -> "DiTSamplingPipeline":
         """A Pre-Norm DiT as diffusers' own ``DiTTransformer2DModel``, any other topology as :class:`DiTModel`."""
+        if spec.transport is not None:
+            raise SamplingError("this model was trained with SiT's transport, and the pipeline samples DDPM: share it "
+                                "with --format hub (its config records the transport) and sample it with "
+                                "python -m diffusion.sample")
         transformer = to_diffusers_transformer(model) if spec.topology == "pre" else DiTModel.from_dit(model, spec)
         return cls(transformer, scheduler_for(spec), vae)
 

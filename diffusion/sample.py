@@ -18,7 +18,17 @@ folder of ``python -m diffusion.export --format hub``, or plain state dicts such
 ``--model`` and ``--image-size`` are needed; they sample with DiT's schedule). The VAE (``--vae``) defaults to the one
 the model was trained with; ``--vae none`` for pixel-space models.
 
-Timesteps follow ADM's respacing conventions: ``--sampler ddpm`` keeps ``--steps`` evenly spaced steps (ADM's
+A model trained with SiT's transport (``transport.enabled``, or SiT's own checkpoints: ``--model SiT-XL/2``) is
+sampled by SiT's samplers: ``--sampler sde-euler`` (the default, SiT's FID setting: ``--steps 250``, diffusion
+``sigma``, last step ``mean`` of size 0.04), ``sde-heun``, or the ODE with ``euler``, ``heun`` or ``dopri5``
+(torchdiffeq, ``--atol``/``--rtol``); ``--steps`` is SiT's ``num_steps``, the points of the time grid.
+``--guidance-interval 0.3,1`` guides only at those times (t = 1 is data: REPA's ``--guidance-high 0.7``),
+``--timestep-shift 0.3`` warps an ODE's grid (LightningDiT). The protocol records the grid and every option.
+
+    python -m diffusion.sample --checkpoint SiT-XL-2-256x256.pt --model SiT-XL/2 --image-size 256 --cfg-scale 1.5 \\
+        --num-samples 50000 --out-dir samples/sit_xl2_cfg1.5
+
+DDPM timesteps follow ADM's respacing conventions: ``--sampler ddpm`` keeps ``--steps`` evenly spaced steps (ADM's
 "250": 0, 4, 8, ..., 999), ``--sampler ddim`` strides from 0 (ADM's and DiT's "ddim50": 0, 20, ..., 980; step counts
 that no integer stride gives are refused). ``--spacing even|ddim`` picks the other rule explicitly. The exact
 steps are recorded in the sampling protocol.
@@ -46,8 +56,9 @@ from common.cli import one_line_errors
 from common.distributed import use_fast_cuda_kernels
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.models import DIT_TOPOLOGIES, DiT_models, load_dit
-from diffusion.sampling import (PRECISIONS, SAMPLERS, Decoder, Sampler, SamplingError, class_names, write_grid,
-                                write_sample_set)
+from diffusion.sampling import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
+                                class_names, sampling_objective, write_grid, write_sample_set)
+from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
 DIT_SAMPLE_LABELS = (207, 360, 387, 974, 88, 979, 417, 279)  # the official DiT sample.py classes
 
@@ -95,22 +106,42 @@ def parse_args(argv=None):
     out.add_argument("--format", choices=("npz", "png", "both"), default="npz",
                      help="samples.npz (ADM format, for diffusion.fid), a PNG folder, or both")
     s = p.add_argument_group("sampling")
-    s.add_argument("--sampler", choices=SAMPLERS, default="ddpm",
-                   help="ddpm: ancestral, learned variance (DiT's FID setting); ddim: deterministic at --eta 0")
-    s.add_argument("--steps", type=int, default=250, help="respaced sampling steps (DiT's FID-50K: 250)")
+    s.add_argument("--sampler", choices=SAMPLERS + TRANSPORT_SAMPLERS, default=None,
+                   help="DDPM models: ddpm (default; ancestral, learned variance, DiT's FID setting) or ddim "
+                        "(deterministic at --eta 0). Transport models: sde-euler (default, SiT's FID setting), "
+                        "sde-heun, or the ODE by euler, heun or dopri5")
+    s.add_argument("--steps", type=int, default=250, help="respaced DDPM steps (DiT's FID-50K: 250); transport: the "
+                                                          "time grid's points, SiT's num_steps (its FID: 250)")
     s.add_argument("--spacing", choices=SPACINGS, default=None,
                    help="which steps: 'even' (ADM's \"N\": evenly spaced from 0 to T-1; default for ddpm) or 'ddim' "
                         "(ADM's \"ddimN\": stride T/N from 0; default for ddim, counts without an integer stride "
                         "are refused)")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM noise (0: deterministic)")
     s.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
-    s.add_argument("--guided-channels", default="3", help="epsilon channels guided: an int (official: 3) or 'all'")
+    s.add_argument("--guided-channels", default="3", help="output channels guided: an int (DiT's and SiT's official "
+                                                          "code: 3) or 'all' (REPA)")
+    f = p.add_argument_group("transport models (SiT's sampler options; default: SiT's)")
+    f.add_argument("--guidance-interval", default=None, metavar="LOW,HIGH",
+                   help="guide only at times LOW <= t <= HIGH (t = 1 is data; default 0,1: always). REPA's "
+                        "guidance-high 0.7 is 0.3,1; LightningDiT's cfg_interval_start 0.11 is 0.11,1")
+    f.add_argument("--timestep-shift", type=float, default=None,
+                   help="ODE only: warp the time grid by s t / (1 + (s - 1) t) (LightningDiT: 0.3; default 0: none)")
+    f.add_argument("--atol", type=float, default=None, help="dopri5's absolute tolerance (SiT: 1e-6)")
+    f.add_argument("--rtol", type=float, default=None, help="dopri5's relative tolerance (SiT: 1e-3)")
+    f.add_argument("--diffusion-form", choices=DIFFUSION_FORMS, default=None,
+                   help="SDE: the diffusion coefficient w_t (SiT's sampler: sigma)")
+    f.add_argument("--diffusion-norm", type=float, default=None, help="SDE: its scale (SiT: 1)")
+    f.add_argument("--last-step", choices=LAST_STEPS, default=None, help="SDE: the step to the data (SiT: mean)")
+    f.add_argument("--last-step-size", type=float, default=None, help="SDE: its length in t (SiT: 0.04)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--batch-size", type=int, default=64, help="samples per forward pass and per chunk file")
     s.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="the model's forward: fp32, or bf16 autocast (docs/sampling-and-fid.md: what it does to FID)")
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
-    m.add_argument("--model", default=None, help=f"one of {', '.join(DiT_models)}")
+    m.add_argument("--model", default=None, help=f"one of {', '.join(DiT_models)}; SiT-XL/2 etc.: that DiT trained "
+                                                 "with SiT's transport (linear path, velocity), as SiT's checkpoints")
+    m.add_argument("--path", choices=PATHS, default=None, help="a transport model's path (plain SiT checkpoints)")
+    m.add_argument("--prediction", choices=PREDICTIONS, default=None, help="a transport model's prediction")
     m.add_argument("--topology", choices=DIT_TOPOLOGIES, default=None)
     m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
     m.add_argument("--num-classes", type=int, default=None)
@@ -132,15 +163,39 @@ def check_args(args) -> None:
         raise SamplingError("--batch-size and --steps must be positive")
     if args.guided_channels != "all" and not args.guided_channels.isdigit():
         raise SamplingError(f"--guided-channels {args.guided_channels!r}: an integer or 'all'")
-    if args.spacing is None:
-        args.spacing = "ddim" if args.sampler == "ddim" else "even"
+    if args.guidance_interval is not None:
+        try:
+            low, high = (float(v) for v in args.guidance_interval.split(","))
+        except ValueError:
+            raise SamplingError(f"--guidance-interval {args.guidance_interval!r}: two numbers LOW,HIGH, e.g. 0.3,1") from None
+        args.guidance_interval = (low, high)
 
 
-def build_diffusion(args, spec):
-    try:
-        return spec.diffusion(sampling_steps=args.steps, spacing=args.spacing)
-    except ValueError as err:
-        raise SamplingError(f"--steps {args.steps} --spacing {args.spacing}: {err}") from err
+def flow_options(args) -> dict:
+    """The transport sampler options given on the command line (the others keep SiT's defaults)."""
+    names = ("guidance_interval", "timestep_shift", "atol", "rtol", "diffusion_form", "diffusion_norm", "last_step",
+             "last_step_size")
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
+def transport_override(args) -> Optional[dict]:
+    """The objective a plain state dict does not record: SiT's for ``--model SiT-*`` (the DiT of that size), or
+    ``--path``/``--prediction``."""
+    sit = bool(args.model) and args.model.startswith("SiT-")
+    if sit:
+        args.model = "DiT-" + args.model[len("SiT-"):]
+    if not (sit or args.path or args.prediction):
+        return None
+    return Transport(args.path or "linear", args.prediction or "velocity").description()
+
+
+def build_objective(args, spec):
+    """The model's objective for sampling; settles ``args.sampler`` and ``args.spacing`` (recorded with the set)."""
+    objective, args.sampler, flow = sampling_objective(spec, args.steps, args.sampler, args.spacing,
+                                                       **flow_options(args))
+    if flow is None:
+        args.spacing = args.spacing or ("ddim" if args.sampler == "ddim" else "even")
+    return objective, flow
 
 
 def main(argv=None) -> Optional[dict]:
@@ -152,14 +207,15 @@ def main(argv=None) -> Optional[dict]:
         state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
         device = args.device or str(state.device)
         use_fast_cuda_kernels()  # TF32 as DiT's sample.py, cudnn's autotuner for the VAE
+        transport = transport_override(args)
         overrides = {"name": args.model, "topology": args.topology, "image_size": args.image_size,
-                     "num_classes": args.num_classes, "autoencoder": args.vae}
+                     "num_classes": args.num_classes, "autoencoder": args.vae, "transport": transport}
         model, spec, args.weights_used = load_dit(args.checkpoint, overrides, args.weights)
         args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
-        diffusion = build_diffusion(args, spec)
+        objective, flow = build_objective(args, spec)
         decoder = Decoder(spec.autoencoder, device, expect=vars(spec))
-        sampler = Sampler(model.to(device), spec, decoder, diffusion, args.sampler, args.eta,
-                          args.cfg_scale, args.guided_channels, args.seed, device, args.precision)
+        sampler = Sampler(model.to(device), spec, decoder, objective, args.sampler, args.eta,
+                          args.cfg_scale, args.guided_channels, args.seed, device, args.precision, flow)
         if args.grid is not None:
             result = run_grid(args, sampler) if state.is_main_process else None
         else:

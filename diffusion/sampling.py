@@ -17,10 +17,10 @@ import json
 import math
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,9 +32,11 @@ from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCO
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.latents import load_vae
 from diffusion.models import DiT, DiTSpec
+from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, shift_times, times
 
 Tensor = torch.Tensor
-SAMPLERS = ("ddpm", "ddim")
+SAMPLERS = ("ddpm", "ddim")  # a DDPM model's (GaussianDiffusion)
+TRANSPORT_SAMPLERS = ("euler", "heun", "dopri5", "sde-euler", "sde-heun")  # a transport model's (Transport)
 PRECISIONS = ("fp32", "bf16")
 SETTINGS_FILE = "settings.json"
 NOISE_WINDOW = 16  # reverse-chain draws per torch call and sample (a DiT-XL chunk of 64: 16 MB a window)
@@ -201,6 +203,154 @@ def sample_loop(model_fn, diffusion: GaussianDiffusion, generators: Sequence[tor
     return x
 
 
+# ------------------------------------------------------------------------------------ the transport's chain
+
+@dataclass(frozen=True)
+class FlowSampling:
+    """How a transport model is sampled: SiT's samplers and their options, LightningDiT's timestep shift and the
+    guidance interval of REPA and LightningDiT.
+
+    ``steps`` is SiT's ``num_steps``: the time grid holds ``steps`` points from ``t0`` to ``t1``, so an ODE takes
+    ``steps - 1`` Euler or Heun steps; an SDE takes ``steps - 1`` steps and then its last step (``last_step``,
+    ``last_step_size``), ``steps`` network evaluations in all for Euler-Maruyama. ``dopri5`` (torchdiffeq) picks its
+    own steps within ``atol``/``rtol`` and reports the grid's points. ``timestep_shift`` > 0 warps an ODE's grid by
+    ``s t / (1 + (s - 1) t)``. Guidance applies where ``guidance_interval[0] <= t <= guidance_interval[1]`` (SiT's
+    time: 1 is data; REPA's ``guidance_high=0.7`` is ``(0.3, 1)``, LightningDiT's ``cfg_interval_start=0.11`` is
+    ``(0.11, 1)``), the plain conditional prediction elsewhere.
+    """
+
+    sampler: str = "sde-euler"
+    steps: int = 250
+    atol: float = 1e-6
+    rtol: float = 1e-3
+    diffusion_form: str = "sigma"
+    diffusion_norm: float = 1.0
+    last_step: str = "mean"
+    last_step_size: float = 0.04
+    timestep_shift: float = 0.0
+    guidance_interval: Tuple[float, float] = (0.0, 1.0)
+
+    def __post_init__(self):
+        checks = ((self.sampler, TRANSPORT_SAMPLERS, "sampler"), (self.diffusion_form, DIFFUSION_FORMS, "diffusion form"),
+                  (self.last_step, LAST_STEPS, "last step"))
+        for value, allowed, what in checks:
+            if value not in allowed:
+                raise SamplingError(f"{what} {value!r} for a transport model; choose one of {', '.join(allowed)}")
+        if self.steps < 2:
+            raise SamplingError(f"steps={self.steps}: a transport sampler's time grid needs at least 2 points")
+        lo, hi = self.guidance_interval
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise SamplingError(f"guidance interval ({lo}, {hi}): need 0 <= low <= high <= 1 (t = 1 is data)")
+        if self.timestep_shift and self.sde:
+            raise SamplingError("the timestep shift warps an ODE's time grid (LightningDiT); choose an ODE sampler "
+                                "(euler, heun, dopri5) or timestep shift 0")
+        if self.timestep_shift < 0 or self.last_step_size < 0 or self.atol <= 0 or self.rtol <= 0:
+            raise SamplingError("timestep shift, last step size, atol and rtol must be non-negative (tolerances positive)")
+
+    @property
+    def sde(self) -> bool:
+        return self.sampler.startswith("sde-")
+
+    def time_grid(self, transport: Transport) -> Tensor:
+        """The ``steps`` times the chain visits (float32, as SiT's ``linspace``)."""
+        if self.sde:
+            size = 0.0 if self.last_step == "none" else self.last_step_size
+            t0, t1 = transport.interval(transport.sample_eps, sde=True, diffusion_form=self.diffusion_form,
+                                        last_step_size=size)
+            if self.diffusion_form == "SBDM" and t0 == 0 and transport.path_name != "vp":
+                raise SamplingError(f"SBDM diffusion is infinite at t = 0 on the {transport.path_name} path, where a "
+                                    "velocity model's SDE starts (SiT returns NaN there); use diffusion form sigma")
+            return torch.linspace(t0, t1, self.steps)
+        t0, t1 = transport.interval(transport.sample_eps)
+        return shift_times(torch.linspace(t0, t1, self.steps), self.timestep_shift)
+
+    def settings(self, transport: Transport) -> dict:
+        """What the sampling protocol records: the options that apply to this sampler, and the grid."""
+        used = {k: v for k, v in asdict(self).items() if self.sde or k not in (
+            "diffusion_form", "diffusion_norm", "last_step", "last_step_size")}
+        if self.sampler != "dopri5":
+            used.pop("atol"), used.pop("rtol")
+        used["guidance_interval"] = list(self.guidance_interval)
+        return {**used, "time_grid": self.time_grid(transport).tolist()}
+
+
+def transport_predict(model: DiT, labels: Tensor, cfg_scale: float = 1.0, guided_channels="3",
+                      interval: Tuple[float, float] = (0.0, 1.0)) -> Callable[[Tensor, float], Tensor]:
+    """``(x_t, t) -> prediction`` for ``labels`` at the host-side time ``t``: guided inside ``interval`` (when
+    ``cfg_scale != 1``), the plain conditional forward outside it; of a learned-sigma network's ``2C`` channels the
+    first ``C`` (SiT's checkpoints hold ``2C`` and use half)."""
+    plain = model_fn_for(model, labels)
+    guided = model_fn_for(model, labels, cfg_scale, guided_channels)
+    channels, (low, high) = model.in_channels, interval
+
+    def predict(x: Tensor, t: float) -> Tensor:
+        fn = guided if low <= t <= high else plain
+        return fn(x, times(x, t))[:, :channels]
+
+    return predict
+
+
+@torch.no_grad()
+def transport_chain(predict, transport: Transport, options: FlowSampling, generators: Sequence[torch.Generator],
+                    shape: Sequence[int], device="cpu") -> Iterator[Tensor]:
+    """The transport's chain for one batch from noise (``t0``) to data: yields x at ``t0``, then after every step
+    (an SDE's last step last). Sample ``b`` draws its start and its SDE noise from ``generators[b]``."""
+    grid = options.time_grid(transport).tolist()
+    noise = chain_noise(generators, shape, len(grid) if options.sde else 1, device)
+    x = next(noise)
+    yield x
+    if options.sampler == "dopri5":
+        from torchdiffeq import odeint
+
+        def field(t: Tensor, state: Tensor) -> Tensor:
+            t = float(t)  # the solver's own times: one host read per evaluation, as the solver itself makes
+            return transport.velocity(predict(state, t), state, times(state, t))
+
+        states = odeint(field, x, torch.tensor(grid, device=x.device), method="dopri5", atol=options.atol,
+                        rtol=options.rtol)
+        yield from states[1:]
+        return
+    for t, t_next in zip(grid[:-1], grid[1:]):
+        dt = t_next - t
+        if options.sampler == "euler":
+            x = transport.euler_step(predict, x, t, dt)
+        elif options.sampler == "heun":
+            x = transport.heun_step(predict, x, t, dt)
+        elif options.sampler == "sde-euler":
+            x = transport.sde_euler_step(predict, x, t, dt, next(noise), options.diffusion_form, options.diffusion_norm)
+        else:
+            x = transport.sde_heun_step(predict, x, t, dt, next(noise), options.diffusion_form, options.diffusion_norm)
+        yield x
+    if options.sde and options.last_step != "none":
+        yield transport.last_step(predict, x, grid[-1], options.last_step_size, options.last_step,
+                                  options.diffusion_form, options.diffusion_norm)
+
+
+def sampling_objective(spec: DiTSpec, steps: int, sampler: Optional[str] = None, spacing: Optional[str] = None,
+                       **flow_options):
+    """``(objective, sampler, flow)`` to sample a model as it was trained: its :class:`GaussianDiffusion` respaced
+    to ``steps`` (``sampler`` ``ddpm``, the default, or ``ddim``; ``spacing`` by default ``even`` for ddpm and
+    ``ddim`` for ddim), or its :class:`Transport` with :class:`FlowSampling` (``sampler`` by default ``sde-euler``,
+    SiT's FID sampler; ``flow_options`` its other settings)."""
+    if spec.transport is not None:
+        if sampler in SAMPLERS or spacing is not None:
+            raise SamplingError(f"this model was trained with SiT's transport ({spec.transport['path']} path, "
+                                f"{spec.transport['prediction']} prediction): sample it with "
+                                f"{', '.join(TRANSPORT_SAMPLERS)} (no --spacing)")
+        flow = FlowSampling(sampler=sampler or "sde-euler", steps=steps, **flow_options)
+        return Transport.from_description(spec.transport), flow.sampler, flow
+    if sampler in TRANSPORT_SAMPLERS or flow_options:
+        given = [f"sampler {sampler}"] * (sampler in TRANSPORT_SAMPLERS) + [k.replace("_", " ") for k in sorted(flow_options)]
+        raise SamplingError(f"this model was trained with DDPM: sample it with {' or '.join(SAMPLERS)}; "
+                            f"{', '.join(given)}: a transport model's options (SiT's)")
+    sampler = sampler or "ddpm"
+    spacing = spacing or ("ddim" if sampler == "ddim" else "even")
+    try:
+        return spec.diffusion(sampling_steps=steps, spacing=spacing), sampler, None
+    except ValueError as err:
+        raise SamplingError(f"--steps {steps} --spacing {spacing}: {err}") from err
+
+
 def autocast(device, precision: str):
     """The model's forward in ``precision``: ``bf16`` autocast (its matmuls in bfloat16; the streams, the model
     output and the chain arithmetic stay float32) or plain ``fp32``."""
@@ -264,12 +414,16 @@ class Decoder:
 
 @dataclass
 class Sampler:
-    """A model, its diffusion and decoder, and the sampling options: ``sampler(indices, labels) -> uint8``."""
+    """A model, its objective and decoder, and the sampling options: ``sampler(indices, labels) -> uint8``.
+
+    ``diffusion`` is the model's :class:`GaussianDiffusion` (DDPM, sampled by ``sampler`` ``ddpm`` or ``ddim``) or its
+    :class:`~diffusion.transport.Transport` (sampled as ``flow`` says; ``sampler`` is ``flow.sampler``).
+    """
 
     model: DiT
     spec: DiTSpec
     decoder: Decoder
-    diffusion: GaussianDiffusion
+    diffusion: Union[GaussianDiffusion, Transport]
     sampler: str = "ddpm"
     eta: float = 0.0
     cfg_scale: float = 1.0
@@ -277,14 +431,31 @@ class Sampler:
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"
+    flow: Optional[FlowSampling] = None
 
     def __post_init__(self):
-        self.diffusion.to(self.device)  # the schedule next to the model: no host-to-device copy per step
+        if isinstance(self.diffusion, Transport):
+            self.flow = self.flow or FlowSampling()
+            self.sampler = self.flow.sampler
+        else:
+            self.diffusion.to(self.device)  # the schedule next to the model: no host-to-device copy per step
         autocast(self.device, self.precision)  # an unknown precision fails here, before any sampling
 
     def __call__(self, indices: Tensor, labels: Tensor) -> Tensor:
         generators = sample_generators(self.seed, indices.tolist())
-        model_fn = model_fn_for(self.model, labels.to(self.device), self.cfg_scale, self.guided_channels)
+        labels = labels.to(self.device)
+        if isinstance(self.diffusion, Transport):
+            predict = transport_predict(self.model, labels, self.cfg_scale, self.guided_channels,
+                                        self.flow.guidance_interval)
+
+            def forward(x, t):
+                with autocast(self.device, self.precision):
+                    return predict(x, t)
+
+            for x in transport_chain(forward, self.diffusion, self.flow, generators, self.spec.shape, self.device):
+                pass
+            return self.decoder(x)
+        model_fn = model_fn_for(self.model, labels, self.cfg_scale, self.guided_channels)
 
         def forward(x, t):
             with autocast(self.device, self.precision):
@@ -297,8 +468,13 @@ class Sampler:
         """What this sampler makes a sample set with: recorded with the set, compared on resume."""
         guided = self.cfg_scale != 1.0
         model = {k: v for k, v in vars(self.spec).items() if k != "class_names"}
-        return {"model": model, "sampler": self.sampler, "respacing": self.diffusion.respacing,
-                "timesteps": self.diffusion.timestep_map.tolist(), "eta": self.eta if self.sampler == "ddim" else None,
+        if isinstance(self.diffusion, Transport):
+            chain = {"objective": self.diffusion.description(), **self.flow.settings(self.diffusion)}
+        else:
+            chain = {"sampler": self.sampler, "respacing": self.diffusion.respacing,
+                     "timesteps": self.diffusion.timestep_map.tolist(),
+                     "eta": self.eta if self.sampler == "ddim" else None}
+        return {"model": model, **chain,
                 "cfg_scale": self.cfg_scale, "guided_channels": self.guided_channels if guided else None,
                 "precision": self.precision, "vae": self.spec.autoencoder,
                 "vae_scaling_factor": self.decoder.scaling_factor, "vae_sha256": self.decoder.fingerprint,

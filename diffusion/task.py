@@ -1,7 +1,8 @@
 """What DiT brings to the training loop (:mod:`common.trainer`): examples, model, diffusion loss, grids, FID.
 
 The objective is DiT's (:mod:`diffusion.gaussian_diffusion`): uniform t, epsilon MSE plus the VLB for the
-learned variance, AdamW at a constant learning rate, an EMA updated every step. After a step the task may save a
+learned variance; or, with ``transport.enabled``, SiT's stochastic interpolants (:mod:`diffusion.transport`).
+AdamW at a constant learning rate, an EMA updated every step. After a step the task may save a
 grid of EMA samples (``train.sample_every``) and score an in-training Frechet distance (``train.fid_every``):
 ``train.fid_samples`` images from diffusion.sample's sampler (sample ``i``: class ``i % num_classes``, noise seeded
 by ``(train.seed, i)``, no guidance) against ``train.fid_reference``, logged as ``fid/fd``. It is the number
@@ -14,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Literal, Optional
+from typing import Any, ClassVar, Dict, List, Literal, Optional
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ from common.config import config_to_dict
 from common.data import resolve_num_workers
 from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.models import DiTSpec, check_dit_arguments
-from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, write_grid
+from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, sampling_objective, write_grid
+from diffusion.transport import Transport, transport_from_config
 
 
 @dataclass(kw_only=True)
@@ -49,6 +51,56 @@ class DiffusionConfig:
 
 
 @dataclass(kw_only=True)
+class TransportConfig:
+    """SiT's stochastic interpolants (flow matching) in place of DDPM (:mod:`diffusion.transport`); off by default."""
+
+    enabled: bool = False  # true: train and sample the transport below; false: DDPM with the diffusion: section
+    path: Optional[Literal["linear", "gvp", "vp"]] = None  # x_t = alpha_t data + sigma_t noise; required when enabled
+    prediction: Optional[Literal["velocity", "noise", "score"]] = None  # the network's target; required when enabled
+    loss_weight: Literal["none", "velocity", "likelihood"] = "none"  # of a noise or score loss (SiT's weights)
+    train_eps: Optional[float] = None  # gap kept from the path's singular ends; null: SiT's for path and prediction
+    sample_eps: Optional[float] = None  # the same when sampling; null: SiT's
+    time_distribution: Optional[Literal["uniform", "logit_normal"]] = None  # training t: SiT's uniform, LightningDiT's
+    logit_normal_mean: Optional[float] = None  # t = sigmoid(mean + std * N(0, 1)); required for logit_normal
+    logit_normal_std: Optional[float] = None
+
+    def __post_init__(self):
+        if not self.enabled:
+            return
+        missing = [k for k in ("path", "prediction", "time_distribution") if getattr(self, k) is None]
+        if self.time_distribution == "logit_normal":
+            missing += [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"transport.enabled=true needs transport.{', transport.'.join(missing)} (configs/"
+                             "sit.yaml sets SiT's)")
+        transport_from_config(config_to_dict(self))  # a value the transport refuses fails here, before training
+
+
+@dataclass(kw_only=True)
+class RepaConfig:
+    """REPA: align the hidden state after block ``depth`` with a frozen encoder's patch features (diffusion.repa)."""
+
+    weight: float = 0.0  # the alignment loss's weight; 0: off (REPA: 0.5)
+    depth: Optional[int] = None  # the aligned block, 1-based (REPA: 8 of SiT-XL/2's 28)
+    encoder: Optional[str] = None  # timm name of the frozen encoder (REPA's DINOv2 ViT-B/14: vit_base_patch14_dinov2)
+    encoder_weights: Optional[str] = None  # its weights file; never downloaded
+    encoder_image_size: Optional[int] = None  # the encoder's input side (REPA: 224 for 256 px images)
+    encoder_kwargs: Dict[str, Any] = field(default_factory=dict)  # further timm.create_model arguments (sizes)
+    encoder_mean: Optional[List[float]] = None  # input normalisation; null: the timm model's (ImageNet's for DINOv2)
+    encoder_std: Optional[List[float]] = None
+    projector_dim: Optional[int] = None  # the width of REPA's 3-layer MLP projector (2048)
+
+    def __post_init__(self):
+        if self.weight < 0:
+            raise ValueError(f"repa.weight={self.weight} must be >= 0 (0: no alignment)")
+        missing = [k for k in ("depth", "encoder", "encoder_weights", "encoder_image_size", "projector_dim")
+                   if self.weight and getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"repa.weight > 0 needs repa.{', repa.'.join(missing)} (configs/repa.yaml sets "
+                             "REPA's; repa.encoder_weights is your file of the encoder's weights)")
+
+
+@dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
     """AdamW at a constant learning rate, as DiT."""
 
@@ -66,11 +118,12 @@ class RunConfig(trainer.RunConfig):
     output_dir: str = "runs/dit"
     sample_every: int = 0  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
     sample_count: int  # images in a grid
-    sample_steps: int  # respaced DDPM steps for the grids
+    sample_steps: int  # respaced DDPM steps (transport: SiT's num_steps, the time grid's points) for the grids
+    sampler: Optional[str] = None  # grids and FID; null: ddpm (DDPM) or sde-euler (transport); else diffusion.sample's --sampler
     sample_cfg_scale: float = 1.0  # classifier-free guidance for the grids (1 = none)
     fid_every: int = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
     fid_samples: int  # images generated per evaluation (class i % num_classes, as diffusion.sample)
-    fid_steps: int  # respaced DDPM steps, no guidance
+    fid_steps: int  # respaced DDPM steps (transport: the time grid's points), no guidance
     fid_batch_size: int = 64  # samples per forward pass (diffusion.sample's --batch-size default)
     fid_reference: Optional[str] = None  # fashion-mnist:test, image folder, .npz images, or statistics .npz (ADM's)
     fid_feature_extractor: str  # inception-v3-compat (ADM's), or fmnist-cnn (the CPU recipe)
@@ -110,8 +163,17 @@ class TrainConfig:
     diffusion: DiffusionConfig
     optim: OptimConfig
     train: RunConfig
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    repa: RepaConfig = field(default_factory=RepaConfig)
 
     def __post_init__(self):
+        from diffusion.sampling import SAMPLERS, TRANSPORT_SAMPLERS
+
+        allowed = TRANSPORT_SAMPLERS if self.transport.enabled else SAMPLERS
+        if self.train.sampler is not None and self.train.sampler not in allowed:
+            kind = "transport" if self.transport.enabled else "DDPM"
+            raise ValueError(f"train.sampler={self.train.sampler!r} does not sample a {kind} model; choose one of "
+                             f"{', '.join(allowed)} (null: {'sde-euler' if self.transport.enabled else 'ddpm'})")
         if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
                 self.train.sample_every or self.train.fid_every):
             raise ValueError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
@@ -147,11 +209,12 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
 
 
 def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
-                  cfg_scale: float = 1.0, precision: str = "fp32") -> Sampler:
+                  cfg_scale: float = 1.0, precision: str = "fp32", sampler: Optional[str] = None) -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
-    return Sampler(ema_model, spec, decoder, spec.diffusion(sampling_steps=steps), cfg_scale=cfg_scale, seed=seed,
-                   device=str(device), precision=precision)
+    objective, name, flow = sampling_objective(spec, steps, sampler)
+    return Sampler(ema_model, spec, decoder, objective, name, cfg_scale=cfg_scale, seed=seed, device=str(device),
+                   precision=precision, flow=flow)
 
 
 @contextlib.contextmanager
@@ -242,11 +305,15 @@ class DiTTask(trainer.Task):
     loss_parts = ("mse", "vb")
     # Besides the trainer's own list: the learning rate and length (constant schedule: a longer run just goes on),
     # the VAE used for grids, and the grid / in-training FID settings.
-    resumable_changes = ("optim.lr", "optim.steps", "data.autoencoder", "train.sample_", "train.fid_")
+    resumable_changes = ("optim.lr", "optim.steps", "data.autoencoder", "train.sample_", "train.fid_", "train.sampler")
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.lr = cfg.optim.lr
+        if cfg.transport.enabled:
+            self.loss_parts = ("mse",)  # no variational bound: a learned-sigma network's second half is unused
+        if cfg.repa.weight:
+            self.loss_parts = (*self.loss_parts, "repa")
         self.last_fid: dict = {}
         if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0 and cfg.train.sample_every:
             raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
@@ -254,10 +321,22 @@ class DiTTask(trainer.Task):
     def setup(self, accelerator) -> None:
         cfg = self.cfg
         self.accelerator = accelerator
-        images = build_images(cfg.data)
+        images = build_images(cfg.data, with_image=bool(cfg.repa.weight))
+        self.encoder = None
+        if cfg.repa.weight:
+            from diffusion.repa import FrozenEncoder
+
+            self.encoder = FrozenEncoder(cfg.repa.encoder, cfg.repa.encoder_weights, cfg.repa.encoder_image_size,
+                                         cfg.repa.encoder_kwargs, cfg.repa.encoder_mean, cfg.repa.encoder_std)
+            self.encoder.to(accelerator.device)
         self.spec = model_spec(cfg, images)
-        self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob)
-        self.diffusion = self.spec.diffusion().to(accelerator.device)
+        if self.spec.transport is not None:
+            self.transport = Transport.from_description(self.spec.transport)
+            draw = "normal" if self.transport.time_distribution == "logit_normal" else "uniform"
+        else:
+            self.transport, draw = None, "index"
+            self.diffusion = self.spec.diffusion().to(accelerator.device)
+        self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob, draw)
         self.grid_sampler = self.fid_sampler = None
         self._samplers_built = False
         # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
@@ -270,7 +349,18 @@ class DiTTask(trainer.Task):
             self.fid.prepare(accelerator)
 
     def build_model(self) -> torch.nn.Module:
-        model = self.spec.build()
+        repa = self.cfg.repa
+        if repa.weight:
+            from diffusion.repa import RepaDiT
+
+            model = RepaDiT(align_depth=repa.depth, projector_dim=repa.projector_dim,
+                            feature_dim=self.encoder.feature_dim, **self.spec.dit_kwargs())
+            if model.x_embedder.num_patches != self.encoder.num_tokens:
+                raise ValueError(f"REPA aligns token by token: the DiT has {model.x_embedder.num_patches} tokens, "
+                                 f"{repa.encoder} at {repa.encoder_image_size} px gives {self.encoder.num_tokens}; "
+                                 "choose repa.encoder_image_size (or the patch sizes) so that they agree")
+        else:
+            model = self.spec.build()
         model.set_grad_checkpointing(self.cfg.model.grad_checkpointing)
         return model
 
@@ -278,9 +368,25 @@ class DiTTask(trainer.Task):
         return self.cfg.optim.steps
 
     def loss(self, model, batch):
-        x0, y, t, noise, drop = batch
+        x0, y, t, noise, drop, *image = batch  # image: REPA's encoder input
         kwargs = {"y": y, "force_drop_ids": drop.long() if self.cfg.model.class_dropout_prob > 0 else None}
-        losses = self.diffusion.training_losses(model, x0, t, noise, kwargs)
+        network, projected = model, []
+        if self.encoder is not None:  # the one forward also hands out the projected tokens after block repa.depth
+
+            def network(x, timesteps, **kw):
+                out, tokens = model(x, timesteps, align=True, **kw)
+                projected.append(tokens)
+                return out
+
+        if self.transport is not None:
+            losses = self.transport.training_losses(network, x0, self.transport.training_times(t), noise, kwargs)
+        else:
+            losses = self.diffusion.training_losses(network, x0, t, noise, kwargs)
+        if self.encoder is not None:
+            from diffusion.repa import alignment_loss
+
+            losses["repa"] = alignment_loss(self.encoder(image[0]), projected[0])
+            losses["loss"] = losses["loss"] + self.cfg.repa.weight * losses["repa"]
         return losses["loss"].mean(), {k: losses[k].mean() for k in self.loss_parts}
 
     def _build_samplers(self, ctx: trainer.StepContext) -> None:
@@ -295,12 +401,12 @@ class DiTTask(trainer.Task):
         decoder = self.decoder  # loaded in setup(), shared by both samplers
         if run.sample_every and main:
             self.grid_sampler = build_sampler(self.spec, weights, device, decoder, run.sample_steps, run.seed,
-                                              run.sample_cfg_scale)
+                                              run.sample_cfg_scale, sampler=run.sampler)
             self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none",
                                           names=self.spec.class_names)
         if run.fid_every:
             self.fid_sampler = build_sampler(self.spec, weights, device, decoder, run.fid_steps, run.seed,
-                                             precision=run.fid_precision)
+                                             precision=run.fid_precision, sampler=run.sampler)
 
     def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
         run, step = self.cfg.train, ctx.step

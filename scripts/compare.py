@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence
 from common.cli import InputError, one_line_errors
 from common.durable import atomic_write_text
 from common.train_state import RunLock, RunLockedError
-from scripts.compare_report import DIAGNOSTICS_FILE, METRIC, write_report
+from scripts.compare_report import DIAGNOSTICS_FILE, METRIC, write_objectives_report, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILE = "result.json"
@@ -54,16 +54,21 @@ def _read_presets() -> tuple:
 PRESETS, STUDIES = _read_presets()
 
 
+DEFAULT_OBJECTIVE = "ddpm"  # the recipe's own objective; a study may define others (``objectives:``)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     topology: str
     depth: int
     lr: float
     seed: int
+    objective: str = DEFAULT_OBJECTIVE
 
     @property
     def name(self) -> str:
-        return f"{self.topology}_d{self.depth}_lr{self.lr:g}_s{self.seed}"
+        prefix = "" if self.objective == DEFAULT_OBJECTIVE else f"{self.objective}_"
+        return f"{prefix}{self.topology}_d{self.depth}_lr{self.lr:g}_s{self.seed}"
 
     @property
     def setting(self) -> tuple:
@@ -171,28 +176,53 @@ def diagnose_deit(run_dir: Path, opts) -> dict:
     return diagnose_deit_run(run_dir, max_images=opts.diag_images, batch_size=min(250, opts.diag_images or 250))
 
 
+def objective_settings(spec: RunSpec, opts) -> dict:
+    """What a run's objective changes (a study's ``objectives:`` entry): its recipe, trainer overrides (``{encoder}``
+    stands for ``--encoder-weights``), and its sampler and steps; the default objective changes nothing."""
+    definition = dict((opts.objectives or {}).get(spec.objective) or {})
+    definition["set"] = [o.replace("{encoder}", str(opts.encoder_weights)) for o in definition.get("set", [])]
+    return definition
+
+
 def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     from common.config import load_config
+    from common.logging import read_metrics
     from diffusion.fid import sample_and_score
     from diffusion.train import TrainConfig, train
 
     if opts.data != "fashion_mnist":
         raise InputError("--task dit compares on Fashion-MNIST pixels only (its FID features are the "
                          "Fashion-MNIST classifier's); for latents use diffusion.train and diffusion.fid directly")
+    objective = objective_settings(spec, opts)
+    sampler, steps = objective.get("sampler"), objective.get("sample_steps", opts.sample_steps)
     overrides = [f"model.topology={spec.topology}", f"model.kwargs.depth={spec.depth}", f"optim.lr={spec.lr}",
                  f"train.seed={spec.seed}", f"train.output_dir={run_dir}", "train.tensorboard=false",
                  f"train.threads={opts.threads}", f"optim.steps={opts.steps}", f"train.log_every={opts.log_every}",
                  "train.resume=auto", "train.sample_every=0", f"train.ema_decay={opts.ema_decay}"]
+    if sampler:
+        overrides.append(f"train.sampler={sampler}")
+    if opts.fid_every:  # the distance at fixed steps, by the in-training FID with the run's own sampler
+        overrides += [f"train.fid_every={opts.fid_every}", f"train.fid_samples={opts.fid_samples}",
+                      f"train.fid_steps={steps}", "train.fid_reference=fashion-mnist:test",
+                      "train.fid_feature_extractor=fmnist-cnn"]
+        if opts.feature_weights:
+            overrides.append(f"train.fid_extractor_weights={opts.feature_weights}")
     if opts.train_images:
         overrides.append(f"data.max_samples={opts.train_images}")
-    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_dit.yaml", overrides + list(opts.set))
+    recipe = ROOT / "configs" / objective.get("config", "fmnist_dit.yaml")
+    cfg = load_config(TrainConfig, recipe, overrides + objective["set"] + list(opts.set))
     final, unfinished = run_trainer(train, cfg)
     if unfinished:
         return unfinished
     scores = sample_and_score(run_dir / "ema.safetensors", run_dir / "fid_samples", num_samples=opts.fid_samples,
-                              steps=opts.sample_steps, extractor_weights=opts.feature_weights)
-    return {"fid": scores["metrics"]["fid"], "params": final.get("params"),
-            "steps": final.get("steps"), "peak_lr": spec.lr}
+                              steps=steps, extractor_weights=opts.feature_weights,
+                              extra_sample_args=["--sampler", sampler] if sampler else ())
+    result = {"fid": scores["metrics"]["fid"], "params": final.get("params"),
+              "steps": final.get("steps"), "peak_lr": spec.lr}
+    if opts.fid_every:
+        curve = {int(r["step"]): float(r["fid/fd"]) for r in read_metrics(run_dir) if "fid/fd" in r}
+        result["fid_curve"] = sorted(curve.items())
+    return result
 
 
 def diagnose_dit(run_dir: Path, opts) -> dict:
@@ -204,10 +234,14 @@ def diagnose_dit(run_dir: Path, opts) -> dict:
 TASKS = {"deit": (train_deit, diagnose_deit), "dit": (train_dit, diagnose_dit)}
 
 
-def check_run_settings(run_dir: Path, opts) -> dict:
+def check_run_settings(run_dir: Path, opts, spec: Optional[RunSpec] = None) -> dict:
     """The settings that define a run's result; an error if ``run_dir`` was made with others."""
     settings = {k: getattr(opts, k) for k in RUN_OPTIONS}
     settings["set"] = [o for o in opts.set if not o.startswith(RUN_CONTROL_OVERRIDES)]
+    if getattr(opts, "fid_every", None):  # recorded only when used, so runs made before it existed still match
+        settings["fid_every"] = opts.fid_every
+    if spec is not None and spec.objective != DEFAULT_OBJECTIVE:
+        settings["objective"] = {"name": spec.objective, **objective_settings(spec, opts)}
     settings_file = run_dir / SETTINGS_FILE
     if settings_file.is_file():
         before = json.loads(settings_file.read_text())
@@ -224,7 +258,7 @@ def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
     or another process is running it."""
     run_dir = runs_dir / spec.name
     done = run_dir / RESULT_FILE
-    settings = check_run_settings(run_dir, opts)
+    settings = check_run_settings(run_dir, opts, spec)
     if done.is_file():
         return json.loads(done.read_text())
     # A claim held from training to result.json: several processes running one comparison share its runs.
@@ -271,7 +305,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.compare", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", choices=list(STUDIES), help="a pre-registered study (docs/results/<study>/): its task, "
-                   "settings and runs are fixed; only --out, --report, --notes, --threads, --feature-weights, --shard apply")
+                   "settings and runs are fixed; only --out, --report, --notes, --threads, --feature-weights, "
+                   "--encoder-weights, --shard apply")
     p.add_argument("--task", choices=list(TASKS), help="deit (default): classification Top-1; dit: generation FID")
     p.add_argument("--quick", action="store_true", help="the short 2-core preset (~22 min for DeiT; default: the full CPU preset)")
     p.add_argument("--data", default="fashion_mnist", help="fashion_mnist (default) or an ImageFolder root with train/ and val/")
@@ -289,6 +324,8 @@ def parse_args(argv=None):
     p.add_argument("--sample-steps", type=int, help="DiT: respaced DDPM steps when sampling for FID")
     p.add_argument("--ema-decay", type=float, help="DiT: EMA decay of the sampled weights (keep 1/(1-decay) << steps)")
     p.add_argument("--feature-weights", help="DiT: fmnist-cnn weights (default: ~/.cache/siamesenorm/fmnist_cnn.safetensors)")
+    p.add_argument("--encoder-weights", type=Path, help="a study whose objectives use REPA: the frozen encoder's "
+                   "weights file (its preregistration says which)")
     p.add_argument("--log-every", type=int, help="logged loss points every N steps")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per training (default 1)")
     p.add_argument("--no-diagnostics", dest="diagnostics", action="store_false", help="skip the diagnostics")
@@ -309,10 +346,10 @@ def parse_args(argv=None):
             raise ValueError
     except ValueError:
         p.error(f"--shard {args.shard}: expected K/N with 0 <= K < N, e.g. 0/2")
-    args.grids = None
+    args.grids, args.objectives, args.fid_every, args.reproduces = None, None, None, None
     if args.study:
         study = dict(STUDIES[args.study])
-        given = [k for k in study if k != "grids" and getattr(args, k, None) not in (None, False)]
+        given = [k for k in study if k != "grids" and getattr(args, k, None) not in (None, False, [])]
         given += [k for k in ("topologies", "depths", "seeds") if getattr(args, k) is not None]
         if given or args.quick or args.set:
             p.error(f"--study {args.study} fixes its settings; drop "
@@ -322,6 +359,10 @@ def parse_args(argv=None):
             setattr(args, key, value)
         args.topologies = sorted({t for g in args.grids for t in g["topologies"]})
         args.depths = sorted({d for g in args.grids for d in g["depths"]})
+        needs_encoder = any("{encoder}" in o for d in (args.objectives or {}).values() for o in d.get("set", []))
+        if needs_encoder and not (args.encoder_weights and args.encoder_weights.is_file()):
+            p.error(f"--study {args.study} trains REPA runs: give --encoder-weights FILE, the frozen encoder its "
+                    f"preregistration names (docs/results/{args.study}/preregistration.md)")
         args.seeds = sorted({s for g in args.grids for s in g["seeds"]})
     args.task = args.task or "deit"
     for key, value in PRESETS[(args.task, args.quick)].items():
@@ -362,11 +403,15 @@ def main(argv=None) -> Path:
 def run_specs(opts) -> List[RunSpec]:
     """The runs of a comparison: the full grid of the options, or the union of a study's grids (in order)."""
     grids = opts.grids or [dict(topologies=opts.topologies, depths=opts.depths, seeds=opts.seeds)]
-    specs = {RunSpec(t, d, lr, s) for g in grids for d in g["depths"] for lr in opts.lrs for t in g["topologies"]
-             for s in g["seeds"]}
+    phase = {}  # a grid's ``phase`` (default 0) runs after every lower one
+    for g in grids:
+        for spec in (RunSpec(t, d, lr, s, o) for d in g["depths"] for lr in opts.lrs for t in g["topologies"]
+                     for s in g["seeds"] for o in g.get("objectives", [DEFAULT_OBJECTIVE])):
+            phase[spec] = min(phase.get(spec, g.get("phase", 0)), g.get("phase", 0))
     # Seed by seed: a comparison stopped part-way holds complete pairs for its first seeds at every setting.
     order = {t: i for i, t in enumerate(dict.fromkeys(t for g in grids for t in g["topologies"]))}
-    return sorted(specs, key=lambda r: (r.seed, r.depth, r.lr, order[r.topology]))
+    objectives = {o: i for i, o in enumerate(dict.fromkeys(o for g in grids for o in g.get("objectives", [DEFAULT_OBJECTIVE])))}
+    return sorted(phase, key=lambda r: (phase[r], r.seed, r.depth, r.lr, objectives[r.objective], order[r.topology]))
 
 
 def _compare(opts, argv) -> Path:
@@ -379,11 +424,20 @@ def _compare(opts, argv) -> Path:
     results, pending = [], []
     for spec in specs:  # every run of the list, whichever process (shard) trained it
         done = runs_dir / spec.name / RESULT_FILE
-        check_run_settings(runs_dir / spec.name, opts)
+        check_run_settings(runs_dir / spec.name, opts, spec)
         (results.append(json.loads(done.read_text())) if done.is_file() else pending.append(spec.name))
     command = "python -m scripts.compare " + " ".join(a for a in argv if a != "--report-only")  # the command that trains
     notes = opts.notes.read_text() if opts.notes else ""
-    path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes)
+    objectives = list(dict.fromkeys(s.objective for s in specs))
+    if len(objectives) == 1:
+        path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes)
+    else:  # a report per objective, and one that sets them side by side
+        for objective in objectives:
+            write_report([r for r in results if r.get("objective", DEFAULT_OBJECTIVE) == objective], runs_dir,
+                         opts.report / objective, opts.task,
+                         [s.name for s in specs if s.objective == objective and s.name in pending], command)
+        reproduces = {k: ROOT / v for k, v in (opts.reproduces or {}).items()}
+        path = write_objectives_report(results, opts.report, objectives, pending, command, notes, reproduces)
     print(f"\nwrote {path}" + (f" ({len(pending)} runs unfinished; rerun the same command to continue)" if pending else ""))
     return path
 

@@ -307,3 +307,125 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
         [{"depth": d, "lr": lr, "topology": t, **{k: v for k, v in s.items() if k != "by_seed"}}
          for (d, lr, t), s in sorted(summary.items())], indent=1))
     return path
+
+
+def _verdict(diffs: Sequence[float], higher: bool) -> str:
+    """The pre-registered rule on paired differences (SiameseNorm - Pre-Norm): the 95% t-interval of their mean
+    lies on the better side of 0 -> supported, on the worse side -> contradicted, else within noise."""
+    if len(diffs) < 2:
+        return f"{statistics.fmean(diffs):+.2f} (one seed: no noise estimate) -> untested" if diffs else "untested"
+    mean, std = _mean_std(diffs)
+    half = _t95(len(diffs) - 1) * std / math.sqrt(len(diffs))
+    gain = mean if higher else -mean
+    verdict = "supported" if gain > half else "contradicted" if gain < -half else "within noise"
+    return f"{mean:+.2f}, 95% interval ±{half:.2f} over {len(diffs)} seeds -> {verdict}"
+
+
+def _paired(by_seed: Dict[int, float], base: Dict[int, float]) -> List[float]:
+    return [v - base[s] for s, v in sorted(by_seed.items()) if s in base]
+
+
+def plot_distance_curves(results: Sequence[dict], path: Path) -> None:
+    """The in-training distance against the step: every run thin, the mean over seeds thick, one line style per
+    objective and one colour per topology."""
+    from common.diagnostics import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    styles = ["-", "--", ":", "-."]
+    objectives = list(dict.fromkeys(r.get("objective", "ddpm") for r in results))
+    for style, objective in zip(styles * 4, objectives):
+        for topo in sorted({r["topology"] for r in results}):
+            curves = [r["fid_curve"] for r in results if r.get("fid_curve") and r["topology"] == topo
+                      and r.get("objective", "ddpm") == objective]
+            for curve in curves:
+                ax.plot(*zip(*curve), lw=0.5, alpha=0.3, ls=style, color=COLORS.get(topo))
+            mean = mean_curve(curves)
+            if mean:
+                ax.plot(*zip(*mean), lw=1.8, ls=style, marker="o", ms=3, color=COLORS.get(topo),
+                        label=f"{objective} {topo} (mean of {len(curves)})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("Frechet distance (fmnist-cnn)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_objectives_report(results: Sequence[dict], report_dir: Path, objectives: Sequence[str],
+                            pending: Sequence[str] = (), command: str = "", notes: str = "",
+                            reproduces: Optional[Dict[str, Path]] = None) -> Path:
+    """``report_dir/report.md`` of a DiT study over several objectives (each also has ``report_dir/<objective>/``):
+    the final distance per objective and topology, SiameseNorm - Pre-Norm per objective by the pre-registered rule,
+    the distance at the fixed steps the runs logged, and the runs that re-train an earlier study's (``reproduces``:
+    objective -> that study's summary.json, whose ``values`` are per seed 0, 1, ...)."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    metric, label, higher = METRIC["dit"]
+    lines = ["# DiT objectives and topologies", ""]
+    if command:
+        lines += ["Regenerate (finished runs under the same --out are reused):", "", f"    {command}", ""]
+    lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
+              + f". {label} of the final EMA weights (lower is better): mean ± std over seeds; one report per objective: "
+              + ", ".join(f"[{o}]({o}/report.md)" for o in objectives) + ".", ""]
+    groups: Dict[tuple, Dict[int, dict]] = {}
+    for r in results:
+        if not r["divergence"]["diverged"] and r.get(metric) is not None:
+            groups.setdefault((r.get("objective", "ddpm"), r["topology"]), {})[r["seed"]] = r
+    lines += [f"| objective | topology | {label} | n |", "|---|---|---|---|"]
+    for (objective, topo), runs in sorted(groups.items(), key=lambda kv: (objectives.index(kv[0][0]), kv[0][1])):
+        mean, std = _mean_std([r[metric] for r in runs.values()])
+        lines.append(f"| {objective} | {topo} | {_fmt(mean, std, len(runs))} | {len(runs)} |")
+    lines += ["", "## SiameseNorm - Pre-Norm, per objective", "",
+              "Rule (pre-registered): the 95% Student-t interval of the mean paired difference (same seed) lies below "
+              "0 -> *FID down* supported; above 0 -> contradicted; else within noise.", ""]
+    for objective in objectives:
+        siam = {s: r[metric] for s, r in groups.get((objective, "siamese"), {}).items()}
+        pre = {s: r[metric] for s, r in groups.get((objective, "pre"), {}).items()}
+        lines.append(f"- **{objective}**: {_verdict(_paired(siam, pre), higher)}")
+    steps = sorted({s for r in results for s, _ in r.get("fid_curve", [])})
+    if steps:
+        lines += ["", "## The distance at fixed steps", "",
+                  "The in-training Frechet distance (the run's EMA, its own sampler and steps, noise seeded by the run's "
+                  "seed) at each logged step: mean ± std over seeds (n), and SiameseNorm - Pre-Norm paired by seed.", "",
+                  "| objective | topology | " + " | ".join(f"step {s}" for s in steps) + " |",
+                  "|---|---|" + "---|" * len(steps)]
+        for (objective, topo), runs in sorted(groups.items(), key=lambda kv: (objectives.index(kv[0][0]), kv[0][1])):
+            cells = []
+            for step in steps:
+                values = [dict(r.get("fid_curve", [])).get(step) for r in runs.values()]
+                values = [v for v in values if v is not None and math.isfinite(v)]
+                cells.append(f"{_fmt(*_mean_std(values), len(values))} ({len(values)})" if values else "--")
+            lines.append(f"| {objective} | {topo} | " + " | ".join(cells) + " |")
+        for objective in objectives:
+            parts = []
+            for step in steps:
+                at = {t: {s: dict(r.get("fid_curve", [])).get(step) for s, r in groups.get((objective, t), {}).items()}
+                      for t in ("siamese", "pre")}
+                at = {t: {s: v for s, v in d.items() if v is not None} for t, d in at.items()}
+                diffs = _paired(at["siamese"], at["pre"])
+                if diffs:
+                    parts.append(f"step {step}: {_verdict(diffs, higher)}")
+            if parts:
+                lines.append(f"- {objective}, SiameseNorm - Pre-Norm: " + "; ".join(parts))
+        plot_distance_curves(results, report_dir / "distance_curves.png")
+        lines += ["", "![distance at fixed steps](distance_curves.png)"]
+    for objective, summary_file in (reproduces or {}).items():
+        recorded = {row["topology"]: row["values"] for row in json.loads(Path(summary_file).read_text())}
+        lines += ["", f"## {objective}: the re-trained runs against the recorded ones", "",
+                  f"Recorded: `{summary_file.name}` of {summary_file.parent.name} (its values are seeds 0, 1, ...).", "",
+                  "| topology | seed | recorded | re-trained | difference |", "|---|---|---|---|---|"]
+        for topo in sorted(recorded):
+            for seed, r in sorted(groups.get((objective, topo), {}).items()):
+                if seed < len(recorded[topo]):
+                    was = recorded[topo][seed]
+                    lines.append(f"| {topo} | {seed} | {was:.6f} | {r[metric]:.6f} | {r[metric] - was:+.2e} |")
+    if notes:
+        lines += ["", "## Notes", "", notes.strip()]
+    path = report_dir / "report.md"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write_text(report_dir / "summary.json", json.dumps(
+        [{"objective": o, "topology": t, "by_seed": {s: r[metric] for s, r in runs.items()},
+          "fid_curves": {s: r.get("fid_curve") for s, r in runs.items()}} for (o, t), runs in sorted(groups.items())],
+        indent=1))
+    return path

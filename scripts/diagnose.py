@@ -62,7 +62,7 @@ def diagnose_deit_run(run_dir: PathLike, max_images: Optional[int] = 1000, batch
 
 
 def diagnose_dit_run(run_dir: PathLike, max_images: Optional[int] = 256) -> Dict[str, dict]:
-    """Stream norms, layer removal (diffusion loss at fixed t and noise on test images) and stream contribution
+    """Stream norms, layer removal (the training loss, DDPM's or the transport's, at fixed t and noise on test images) and stream contribution
     of a finished pixel-space ``diffusion.train`` run's EMA DiT, plus its logged gradient norms."""
     import torch
 
@@ -78,15 +78,24 @@ def diagnose_dit_run(run_dir: PathLike, max_images: Optional[int] = 256) -> Dict
     x0 = torch.stack([test[i][0] for i in range(len(test))])
     labels = test.labels.clone()
     gen = torch.Generator().manual_seed(0)
-    diffusion = spec.diffusion()
-    t = torch.randint(0, diffusion.num_train_timesteps, (len(x0),), generator=gen)
-    noise = torch.randn(x0.shape, generator=gen)
+    if spec.transport is not None:  # SiT's transport: its loss at fixed times and noise
+        from diffusion.transport import Transport
+
+        objective = Transport.from_description(spec.transport)
+        draw = torch.randn if objective.time_distribution == "logit_normal" else torch.rand
+        t = objective.training_times(draw(len(x0), generator=gen))
+        noise = torch.randn(x0.shape, generator=gen)
+        x_t, timesteps = objective.interpolate(t, noise, x0)[0], t
+    else:
+        objective = spec.diffusion()
+        t = torch.randint(0, objective.num_train_timesteps, (len(x0),), generator=gen)
+        noise = torch.randn(x0.shape, generator=gen)
+        x_t, timesteps = objective.q_sample(x0, t, noise), objective.model_timesteps(t)
 
     def loss_fn(m):
-        return float(diffusion.training_losses(m, x0, t, noise, model_kwargs={"y": labels})["loss"].mean())
+        return float(objective.training_losses(m, x0, t, noise, model_kwargs={"y": labels})["loss"].mean())
 
-    x_t = diffusion.q_sample(x0, t, noise)
-    out = {"hidden_state_norms": hidden_state_norms(model, x_t, diffusion.model_timesteps(t), labels),
+    out = {"hidden_state_norms": hidden_state_norms(model, x_t, timesteps, labels),
            "layer_removal": layer_removal(model, loss_fn), "grad_norm": grad_norm_trace(run_dir)}
     try:
         out["stream_contribution"] = stream_contribution(model)

@@ -161,6 +161,14 @@ def test_a_study_fixes_its_runs_and_settings():
                                            "post_d24_lr0.001_s0"]  # seed by seed: a stopped study has whole pairs
     dit = parse_args(["--study", "dit_long", "--feature-weights", __file__])
     assert (dit.task, dit.steps, dit.fid_samples, dit.sample_steps, len(run_specs(dit))) == ("dit", 3000, 1000, 50, 12)
+    flow = parse_args(["--study", "dit_flow", "--feature-weights", __file__, "--encoder-weights", __file__])
+    names = [s.name for s in run_specs(flow)]
+    assert len(names) == 36 and names[:6] == ["pre_d8_lr0.001_s0", "siamese_d8_lr0.001_s0", "flow_pre_d8_lr0.001_s0",
+                                              "flow_siamese_d8_lr0.001_s0", "repa_pre_d8_lr0.001_s0",
+                                              "repa_siamese_d8_lr0.001_s0"]  # the re-trained DDPM pair first
+    assert names[-1] == "siamese_d8_lr0.001_s5" and (flow.fid_every, flow.steps) == (1000, 3000)
+    with pytest.raises(SystemExit):  # its REPA runs need the frozen encoder
+        parse_args(["--study", "dit_flow", "--feature-weights", __file__])
     for extra in (["--epochs", "1"], ["--seeds", "0"], ["--quick"], ["--set", "optim.batch_size=64"]):
         with pytest.raises(SystemExit):
             parse_args(["--study", "deit_depth", *extra])
@@ -216,3 +224,47 @@ def test_a_report_of_one_point_curves_and_equal_scores_is_readable(tmp_path):
     green = ((abs(pixels - [44, 160, 44]).sum(1)) < 60).sum()
     assert blue > 40 and green > 40, (blue, green)
     assert mean_curve([[(1, 2.0), (2, 1.0)], [(1, 4.0), (2, float("nan"))]]) == [(1, 3.0), (2, 1.0)]
+
+
+TINY_OBJECTIVES = {  # a study over two objectives, shrunk: DDPM first (phase 0), then SiT's flow matching
+    "task": "dit", "lrs": [2e-3], "train_images": 64, "steps": 6, "ema_decay": 0.5, "fid_samples": 10,
+    "sample_steps": 2, "diag_images": 4, "log_every": 2, "fid_every": 3,
+    "set": ["optim.batch_size=8", "model.kwargs.hidden_size=24", "data.num_workers=0"],
+    "objectives": {"flow": {"config": "fmnist_sit.yaml", "sampler": "euler", "sample_steps": 3}},
+    "grids": [{"objectives": ["flow"], "topologies": ["pre", "siamese"], "depths": [2], "seeds": [0], "phase": 1},
+              {"topologies": ["pre", "siamese"], "depths": [2], "seeds": [0]}]}
+
+
+@pytest.mark.fashion_mnist
+def test_a_study_over_two_objectives_logs_the_distance_at_fixed_steps(tmp_path, monkeypatch):
+    import torch
+
+    from common.checkpoint import save_weights
+    from common.logging import read_metrics
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from scripts import compare
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
+    monkeypatch.setitem(compare.STUDIES, "tiny_objectives", TINY_OBJECTIVES)
+    specs = compare.run_specs(compare.parse_args(["--study", "tiny_objectives", "--feature-weights", str(weights)]))
+    assert [s.name for s in specs] == ["pre_d2_lr0.002_s0", "siamese_d2_lr0.002_s0", "flow_pre_d2_lr0.002_s0",
+                                       "flow_siamese_d2_lr0.002_s0"]  # phase 0 before phase 1
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        report = main(["--study", "tiny_objectives", "--feature-weights", str(weights), "--out", str(tmp_path / "c"),
+                       "--no-diagnostics"])
+    flow = tmp_path / "c" / "runs" / "flow_siamese_d2_lr0.002_s0"
+    result = json.loads((flow / "result.json").read_text())
+    logged = [(r["step"], r["fid/fd"], r["fid/steps"]) for r in read_metrics(flow) if "fid/fd" in r]
+    assert [(s, fd) for s, fd, _ in logged] == [tuple(p) for p in result["fid_curve"]] and len(logged) == 2
+    assert all(steps == 3 for _, _, steps in logged)  # the objective's own steps
+    protocol = json.loads((flow / "fid_samples" / "protocol.json").read_text())
+    assert protocol["sampler"] == "euler" and result["fid"] == json.loads(
+        (flow / "fid_samples" / "fid.json").read_text())["metrics"]["fid"]
+    ddpm = json.loads((tmp_path / "c" / "runs" / "pre_d2_lr0.002_s0" / "result.json").read_text())
+    assert ddpm["objective"] == "ddpm" and len(ddpm["fid_curve"]) == 2
+    text = report.read_text()
+    assert "[ddpm](ddpm/report.md), [flow](flow/report.md)" in text and "| flow | siamese |" in text
+    assert "- **flow**: " in text and "| step 3 | step 6 |" in text
+    assert (tmp_path / "c" / "flow" / "report.md").is_file() and (tmp_path / "c" / "distance_curves.png").is_file()

@@ -243,3 +243,105 @@ def test_in_training_fid_sampled_by_two_processes_equals_sample_then_fid(tmp_pat
                                   extractor_weights=weights, seed=5)
     assert logged["fid/samples"] == 24
     assert logged["fid/fd"] == pytest.approx(direct["metrics"]["fid"], rel=1e-4)
+
+
+def flow_config(out, *overrides, topology="siamese"):
+    return load_config(TrainConfig, ROOT / f"configs/fmnist_sit_{topology}.yaml",
+                       [*TINY, f"train.output_dir={out}", *overrides])
+
+
+def tiny_encoder(path):
+    """A small random timm ViT whose 8 x 8 patch grid at 64 px matches the micro-DiT's 64 tokens."""
+    import timm
+
+    from common.checkpoint import save_weights
+
+    torch.manual_seed(0)
+    save_weights(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=128), path)
+    return ["repa.weight=0.5", "repa.depth=1", "repa.encoder=vit_tiny_patch16_224", f"repa.encoder_weights={path}",
+            "repa.encoder_image_size=128", "repa.projector_dim=32"]
+
+
+def test_flow_matching_recipe_trains_and_its_in_training_fid_is_sample_then_fid(tmp_path):
+    """The shipped SiT recipe on Fashion-MNIST: the velocity loss falls, the weights record the transport, and fid/fd
+    with the Euler ODE is diffusion.sample --sampler euler + diffusion.fid of that ema.safetensors."""
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
+    fid = ["train.fid_every=24", "train.fid_samples=16", "train.fid_steps=4", "train.sampler=euler",
+           "train.fid_reference=fashion-mnist:test", "train.fid_feature_extractor=fmnist-cnn",
+           f"train.fid_extractor_weights={weights}"]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        final = train(flow_config(tmp_path / "run", "data.max_samples=256", "optim.batch_size=16", "optim.steps=24",
+                                  "optim.lr=2e-3", "train.log_every=8", "train.seed=3", *fid, topology="pre"))
+    records = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert len(records) == 3 and records[-1]["train/loss"] < 0.8 * records[0]["train/loss"]
+    assert all("train/vb" not in r and r["train/mse"] == r["train/loss"] for r in records)
+    with safe_open(str(tmp_path / "run" / "ema.safetensors"), "pt") as f:
+        transport = json.loads(f.metadata()["transport"])
+    assert (transport["path"], transport["prediction"], transport["time_distribution"]) == ("linear", "velocity",
+                                                                                          "uniform")
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        direct = sample_and_score(tmp_path / "run" / "ema.safetensors", tmp_path / "direct", num_samples=16, steps=4,
+                                  extractor_weights=weights, seed=3, extra_sample_args=["--sampler", "euler"])
+    assert direct["metrics"]["fid"] == final["fid"]
+    with pytest.raises(SystemExit):
+        main(["--config", str(ROOT / "configs/fmnist_sit_pre.yaml"), "train.sampler=ddpm"])
+
+
+def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
+    """SiT's objective with REPA, logit-normal times: 1 process and 2 processes (gloo) train the same weights and log
+    the same in-training FID with the Heun ODE; the projector is saved with the EMA and left out when sampling it."""
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+
+    import numpy as np
+
+    from common.data import load_fashion_mnist
+
+    repa = tiny_encoder(tmp_path / "encoder.safetensors")
+    torch.manual_seed(0)
+    save_weights(FashionMNISTClassifier(), tmp_path / "fmnist_cnn.safetensors")
+    reference = tmp_path / "reference.npz"  # 64 test images: a reference that is quick to read on two processes
+    np.savez(reference, arr_0=np.pad(load_fashion_mnist("test")[0][:64], ((0, 0), (2, 2), (2, 2))))
+    args = ["--config", str(ROOT / "configs/fmnist_sit_siamese.yaml"), *TINY, *SMALL, *repa,
+            "transport.time_distribution=logit_normal", "transport.logit_normal_mean=0.0",
+            "transport.logit_normal_std=1.0", "train.fid_every=6", "train.fid_samples=12", "train.fid_batch_size=4",
+            "train.fid_steps=3", "train.sampler=heun", f"train.fid_reference={reference}",
+            "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={tmp_path / 'fmnist_cnn.safetensors'}"]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        main([*args, f"train.output_dir={tmp_path / 'one'}"])
+    records = [r for r in read_metrics(tmp_path / "one") if "train/loss" in r]
+    assert all(r["train/loss"] == pytest.approx(r["train/mse"] + 0.5 * r["train/repa"], rel=1e-5) for r in records)
+    assert all(-1 <= r["train/repa"] <= 1 for r in records) and records[-1]["train/repa"] < records[0]["train/repa"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same_weights(tmp_path / "one", tmp_path / "two", exact=False)
+    two = [r["train/loss"] for r in read_metrics(tmp_path / "two") if "train/loss" in r]
+    assert two == pytest.approx([r["train/loss"] for r in records], rel=1e-5)
+    (fid_one,), (fid_two,) = ([r["fid/fd"] for r in read_metrics(tmp_path / d) if "fid/fd" in r] for d in ("one", "two"))
+    assert fid_two == pytest.approx(fid_one, rel=1e-4)  # each process samples its chunks, the main one scores
+    assert any(k.startswith("projectors.") for k in load_file(tmp_path / "one" / "ema.safetensors"))
+    from diffusion.models import load_dit
+
+    model, spec, _ = load_dit(tmp_path / "one" / "ema.safetensors")
+    assert not hasattr(model, "projectors") and spec.transport["time_distribution"] == "logit_normal"
+
+
+def test_flow_and_repa_config_errors(tmp_path, capsys):
+    base = ["--config", str(ROOT / "configs/fmnist_sit_pre.yaml"), *TINY, *SMALL, f"train.output_dir={tmp_path}"]
+    for overrides, message in ((["transport.path=null"], "transport.enabled=true needs transport.path"),
+                               (["transport.time_distribution=logit_normal"], "transport.logit_normal_mean"),
+                               (["repa.weight=0.5"], "repa.weight > 0 needs repa.depth"),
+                               (["transport.train_eps=0.01"], "stable at both ends")):
+        with pytest.raises(SystemExit):
+            main([*base, *overrides])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints").exists()

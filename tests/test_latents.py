@@ -205,3 +205,50 @@ def test_one_view_read_equals_the_two_view_read(setup, tmp_path):
     torch.testing.assert_close(unflipped, ds.scaling_factor * (mean[0] + torch.exp(0.5 * logvar[0]) * noise))
     with pytest.raises(ValueError, match="view 2"):
         ds.read_view(0, 2)
+
+
+def test_images_stored_beside_the_latents_reach_repas_encoder_with_the_latents_flip(setup, tmp_path):
+    """--images keeps the exact uint8 pixels the VAE encoded; a drawn example carries the pixels of its own view (the
+    mirror with the mirrored latent), with the same latent as without them; REPA trains on latents through them."""
+    import timm
+
+    from common.checkpoint import save_weights
+    from common.config import load_config
+    from common.data import seeded_rng
+    from diffusion.data import LatentImages
+    from diffusion.train import TrainConfig, train
+
+    meta = run(setup, tmp_path / "lat", "--images")
+    assert meta["images"] is True
+    ds = LatentDataset(tmp_path / "lat")
+    crop = np.array(center_crop_arr(Image.open(setup / "images" / "dog" / "3.jpg").convert("RGB"), 32))
+    assert torch.equal(ds.read_image(7, 0), torch.from_numpy(crop).permute(2, 0, 1))
+    assert torch.equal(ds.read_image(7, 1), torch.from_numpy(crop).permute(2, 0, 1).flip(-1))
+    with_images, plain = LatentImages(str(tmp_path / "lat"), with_image=True), LatentImages(str(tmp_path / "lat"))
+    views = set()
+    for seed in range(8):
+        with seeded_rng(seed):
+            latent, label, image = with_images[7]
+        with seeded_rng(seed):
+            flip = bool(torch.rand(1) < 0.5)
+        with seeded_rng(seed):
+            assert torch.equal(latent, plain[7][0])
+        assert torch.equal(image, ds.read_image(7, int(flip)))
+        views.add(flip)
+    assert views == {False, True}
+    with pytest.raises(ValueError, match="--images"):
+        run(setup, tmp_path / "plain")
+        LatentImages(str(tmp_path / "plain"), with_image=True)
+
+    torch.manual_seed(0)
+    save_weights(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=64),
+                 tmp_path / "encoder.safetensors")  # 4 x 4 patches: DiT-S/4's tokens on 16 x 16 latents
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(TrainConfig, os.path.join(root, "configs/repa_xl2_siamese.yaml"), [
+        f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=2", "data.num_workers=0",
+        "model.name=DiT-S/4", "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "repa.depth=1",
+        "repa.encoder=vit_tiny_patch16_224", f"repa.encoder_weights={tmp_path / 'encoder.safetensors'}",
+        "repa.encoder_image_size=64", "repa.projector_dim=16", "optim.batch_size=4", "optim.steps=2",
+        "train.sample_every=0", "train.tensorboard=false", f"train.output_dir={tmp_path / 'run'}"])
+    final = train(cfg)
+    assert final["steps"] == 2 and -1 <= final["repa"] <= 1
