@@ -24,7 +24,7 @@ from common import trainer
 from common.config import config_to_dict
 from common.data import resolve_num_workers
 from diffusion.data import DataConfig, DiffusionExamples, build_images
-from diffusion.models import DiTSpec, check_dit_arguments
+from diffusion.spec import DiTSpec, check_dit_arguments
 from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, write_grid
 
 
