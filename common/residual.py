@@ -10,8 +10,9 @@ files name them, and whose ``forward`` is its update rule. A model's block (``vi
 sublayer reads besides its input: the attention mask (DeiT) or the adaLN modulation (DiT).
 
 The stream state is a tensor for the single-stream topologies and ``(X, Y)`` for the two-stream ones
-(SiameseNorm, ResiDual); :func:`init_streams` creates it from the embedding and :func:`build_fusion` makes the
-module that turns the final state into the features the head reads.
+(SiameseNorm, ResiDual); the module :func:`build_streams` makes creates it from the embedding and the one
+:func:`build_fusion` makes turns the final state into the features the head reads. Both are modules so that a
+model's block loop is written once: TorchScript types the state by the modules a model holds.
 
 Model-level topologies add ``mixln`` (Mix-LN: Post-Norm in the first ``k`` blocks, Pre-Norm after),
 ``layerscale`` (Pre-Norm with a learned per-channel gain on each update, CaiT) and ``dyt`` (Pre-Norm with
@@ -90,9 +91,17 @@ def deepnorm_init_(blocks: Sequence[nn.Module]) -> None:
             linear.weight.mul_(gain)
 
 
-def init_streams(x: Tensor, topology: str) -> StreamState:
-    """Both streams of a two-stream topology start as the same embedding; others carry one stream."""
-    return (x, x) if topology in TWO_STREAM_TOPOLOGIES else x
+class TwoStreams(nn.Module):
+    """The state of a two-stream topology: both streams start as the embedding."""
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return x, x
+
+
+def build_streams(topology: str) -> nn.Module:
+    """The module that turns the embedding into the state the first block of ``topology`` reads."""
+    check_topology(topology)
+    return TwoStreams() if topology in TWO_STREAM_TOPOLOGIES else nn.Identity()
 
 
 class DyT(nn.Module):
@@ -427,7 +436,11 @@ def build_block(family: Type[ResidualBlock], topology: str, *args, normalized_in
     return block_class(family, topology)(*args, **kwargs, **options)
 
 
-class SiameseFusion(nn.Module):
+class StreamFusion(nn.Module):
+    """A module that reads a multi-stream state out as one tensor: ``forward(state, final_norm=True)``."""
+
+
+class SiameseFusion(StreamFusion):
     """Fuse the two Siamese streams after the last block: ``LN_out(LN_x(X) + LN_y(Y))``.
 
     ``final_norm=False`` drops ``LN_out`` (DiT, whose final layer normalises again).
@@ -445,7 +458,7 @@ class SiameseFusion(nn.Module):
         return self.norm_out(h) if final_norm else h
 
 
-class ResiDualFusion(nn.Module):
+class ResiDualFusion(StreamFusion):
     """ResiDual's output ``X + LN(Y)``: the Post-Norm stream plus the normalised accumulation."""
 
     def __init__(self, dim: int, norm_layer: NormLayer = default_norm):
@@ -461,11 +474,11 @@ class ResiDualFusion(nn.Module):
 def readout(fusion: nn.Module, state: StreamState, norm: bool = True) -> Tensor:
     """The features ``fusion`` (the module :func:`build_fusion` made) reads from a stream state.
 
-    The fusion of a two-stream state, with its final norm (SiameseNorm's ``LN_out``) when ``norm``; a single
+    The fusion of a multi-stream state, with its final norm (SiameseNorm's ``LN_out``) when ``norm``; a single
     stream through ``fusion`` when ``norm``, else as it is. Applied to the state after block ``l``, it is what the
     head would read if the network ended there.
     """
-    if isinstance(state, tuple):
+    if isinstance(fusion, StreamFusion):
         return fusion(state, final_norm=norm)
     return fusion(state) if norm else state
 

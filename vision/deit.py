@@ -12,33 +12,41 @@ Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here b
 same state-dict keys.
 """
 
-from functools import partial
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import timm
 import torch
 from torch import nn
-from torch.jit import Final
 from torch.utils.checkpoint import checkpoint
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, LayerNorm, LayerScale, Mlp, get_norm_layer
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
+from timm.models import (build_model_with_cfg, generate_default_cfgs, model_entrypoint, register_model,
+                         register_notrace_function)
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from common.checkpoint import convert_state_dict
 from common.residual import (
-    TWO_STREAM_TOPOLOGIES,
     DyT,
     ResidualBlock,
-    StreamState,
+    StreamFusion,
     block_topologies,
     build_block,
     build_fusion,
+    build_streams,
     check_topology,
     deepnorm_init_,
-    init_streams,
     readout,
 )
+
+if TYPE_CHECKING:
+    from vision.data import DataConfig
 
 Tensor = torch.Tensor
 
@@ -148,8 +156,6 @@ class SiameseNormVisionTransformer(VisionTransformer):
             ``depth``, ``num_heads``, ``drop_path_rate``, ``num_classes``, ...).
     """
 
-    two_stream: Final[bool]
-
     def __init__(
         self,
         topology: str = "siamese",
@@ -173,7 +179,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
         super().__init__(block_fn=block_fn, **kwargs)
         self.topology = topology
         self.block_topologies = topologies
-        self.two_stream = topology in TWO_STREAM_TOPOLOGIES
+        self.streams = build_streams(topology)
         # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
         # cannot pass through Sequential.forward.
         self.blocks = nn.ModuleList(self.blocks)
@@ -200,27 +206,13 @@ class SiameseNormVisionTransformer(VisionTransformer):
         float: added to the scores), broadcast over batch and heads."""
         x = self._embed(x)
         attn_mask = attention_mask(x, attn_mask, is_causal)
-        checkpointing = self.grad_checkpointing and self.training
-        # Written twice because TorchScript types the state: (X, Y) in two-stream models, one tensor otherwise.
-        if self.two_stream:
-            state = (x, x)
-            for block in self.blocks:
-                if attn_mask is not None:
-                    state = block(state, attn_mask)
-                elif checkpointing and not torch.jit.is_scripting():
-                    state = checkpoint(block, state, use_reentrant=False)
-                else:
-                    state = block(state)
-            return self.norm(state)
-        else:
-            for block in self.blocks:
-                if attn_mask is not None:
-                    x = block(x, attn_mask)
-                elif checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(block, x, use_reentrant=False)
-                else:
-                    x = block(x)
-            return self.norm(x)
+        state = self.streams(x)
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
+                state = checkpoint(block, state, attn_mask, use_reentrant=False)
+            else:  # one argument without a mask, so a block replaced by nn.Identity (timm's idiom) still runs
+                state = block(state) if attn_mask is None else block(state, attn_mask)
+        return self.norm(state)
 
     def forward_intermediates(
         self,
@@ -251,15 +243,13 @@ class SiameseNormVisionTransformer(VisionTransformer):
         batch, _, height, width = x.shape
         tokens = self._embed(x)
         attn_mask = attention_mask(tokens, attn_mask, is_causal)
-        state: StreamState = init_streams(tokens, self.topology)
+        state = self.streams(tokens)
         intermediates = []
         for i, block in enumerate(self.blocks[: max_index + 1] if stop_early else self.blocks):
-            if attn_mask is not None:
-                state = block(state, attn_mask)
-            elif self.grad_checkpointing and self.training:
-                state = checkpoint(block, state, use_reentrant=False)
+            if self.grad_checkpointing and self.training:
+                state = checkpoint(block, state, attn_mask, use_reentrant=False)
             else:
-                state = block(state)
+                state = block(state) if attn_mask is None else block(state, attn_mask)
             if i in take_indices:
                 intermediates.append(readout(self.norm, state, norm))
 
@@ -289,9 +279,9 @@ class SiameseNormVisionTransformer(VisionTransformer):
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[: max_index + 1]
         if prune_norm:
-            if self.topology == "siamese":
+            if hasattr(self.norm, "norm_out"):
                 self.norm.norm_out = nn.Identity()
-            elif not self.two_stream:
+            elif not isinstance(self.norm, StreamFusion):
                 self.norm = nn.Identity()
         if prune_head:
             self.fc_norm = nn.Identity()
@@ -379,3 +369,76 @@ def _register(size: str, topology: str):
 for _size in _SIZES:
     for _topo in _TOPOLOGIES:
         _register(_size, _topo)
+
+
+# ------------------------------------------------------------------- the `model:` section of a config
+
+@dataclass
+class ModelConfig:
+    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
+
+    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
+    drop_path: float = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
+    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
+
+    def __post_init__(self):
+        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
+        if unset:
+            raise ValueError(f"model.kwargs {unset} have no value; give each a value or leave it out")
+        if not timm.is_model(self.name):
+            close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
+            raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
+                             "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
+                             "deit_*_patch16_224)")
+        check_model_kwargs(self.name, self.kwargs)
+
+
+def build_model(model: ModelConfig, data: "DataConfig") -> nn.Module:
+    """Create the timm model a config names (name and keyword arguments were checked with the config)."""
+    kwargs = dict(model.kwargs)
+    kwargs.setdefault("img_size", data.input_size)
+    if model.pretrained:
+        check_pretrained_reachable(model.name)
+    try:
+        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
+                                 drop_path_rate=model.drop_path, **kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" in str(err):
+            raise ValueError(f"model.kwargs do not fit {model.name}: {err}") from None
+        raise
+
+
+def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
+    """Fail in seconds, not after a minute of retries, when timm's weights are neither cached nor downloadable."""
+    import socket
+
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        raise ValueError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
+    if cfg.hf_hub_id and any(isinstance(try_to_load_from_cache(cfg.hf_hub_id, f), str)
+                             for f in ("model.safetensors", "pytorch_model.bin", cfg.hf_hub_filename or "model.safetensors")):
+        return
+    if cfg.url and (Path(torch.hub.get_dir()) / "checkpoints" / Path(cfg.url).name).is_file():
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        raise FileNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be reached: "
+                                "pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
+
+
+def check_model_kwargs(name: str, kwargs: dict) -> None:
+    """Unknown keyword arguments of a ViT/DeiT are an error before any work (not a silently ignored setting)."""
+    module = model_entrypoint(name).__module__
+    if module not in ("timm.models.vision_transformer", "timm.models.deit", SiameseNormVisionTransformer.__module__):
+        return  # another timm family: timm's own TypeError is reported by build_model
+    valid = set(inspect.signature(VisionTransformer).parameters)
+    if module == SiameseNormVisionTransformer.__module__:
+        valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise ValueError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
+                         f"{', '.join(sorted(valid - {'kwargs'}))}")
