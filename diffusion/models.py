@@ -15,6 +15,8 @@ is the block's non-affine input LayerNorm output (docs/method.md section 3):
   ``fusion = LN_x(X) + LN_y(Y)`` feeds the final layer.
 * ``mixln``   -- ``post`` blocks first, ``pre`` blocks after (:func:`common.residual.block_topologies`).
 * ``residual`` (ResiDual) and ``deepnorm`` -- baselines from :mod:`common.residual`, with the gated sublayer.
+* ``hc``, ``mhc`` (Hyper-Connections, manifold-constrained), ``attnres``, ``attnres_block`` (Attention Residuals)
+  -- the multi-stream and cross-layer designs, around DiT's own non-affine norms and gated sublayers.
 
 Not offered for DiT: ``sandwich`` (a LayerNorm on the gated output would rescale away adaLN-Zero's
 gate), ``layerscale`` (the adaLN gate already is a learned per-channel gain on each update, zero at
@@ -48,6 +50,7 @@ from common.residual import (
     LN_EPS,
     ResidualBlock,
     block_topologies,
+    attnres_source_sublayers,
     build_block,
     build_fusion,
     build_streams,
@@ -55,7 +58,7 @@ from common.residual import (
     deepnorm_init_,
 )
 
-DIT_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "deepnorm")
+DIT_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "deepnorm", "hc", "mhc", "attnres", "attnres_block")
 
 Tensor = torch.Tensor
 
@@ -204,11 +207,15 @@ class DiT(nn.Module):
         class_dropout_prob: label dropout for classifier-free guidance (null class id ``num_classes``).
         num_classes: number of classes (1000 for ImageNet).
         learn_sigma: output ``2*in_channels`` channels (epsilon and the variance interpolation).
-        topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual`` or ``deepnorm``.
+        topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual``, ``deepnorm``, ``hc``,
+            ``mhc``, ``attnres`` or ``attnres_block``.
         normalized_input, depth_scaling: SiameseNorm's ``LN_in`` and ``1/sqrt(2(l+1))`` (paper Table 3).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default a quarter of depth).
         recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
             (:class:`common.residual.SiameseNormBlock`).
+        hc_streams, hc_dynamic, mhc_sinkhorn_iters: ``hc``/``mhc`` (Hyper-Connections): streams ``n``, dynamic or
+            static connections, Sinkhorn-Knopp iterations.
+        attnres_block_size: ``attnres_block``: transformer blocks per AttnRes block (default: at most 8 blocks).
     """
 
     def __init__(
@@ -228,6 +235,10 @@ class DiT(nn.Module):
         depth_scaling: bool = True,
         mixln_post_blocks: Optional[int] = None,
         recompute_norms: bool = False,
+        hc_streams: int = 4,
+        hc_dynamic: bool = True,
+        mhc_sinkhorn_iters: int = 20,
+        attnres_block_size: Optional[int] = None,
     ):
         super().__init__()
         check_topology(topology, DIT_TOPOLOGIES)
@@ -252,11 +263,13 @@ class DiT(nn.Module):
         # A frozen parameter, not a buffer, so that the official checkpoints' `pos_embed` key and
         # parameter counts (which include it) match.
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
-        self.streams = build_streams(topology)
+        self.streams = build_streams(topology, hc_streams)
         self.blocks = nn.ModuleList(
             build_block(DiTBlock, block_topology, hidden_size, num_heads, mlp_ratio, layer_index=i,
                         normalized_input=normalized_input, depth_scaling=depth_scaling, num_blocks=depth,
-                        recompute_norms=recompute_norms)
+                        recompute_norms=recompute_norms, hc_streams=hc_streams, hc_dynamic=hc_dynamic,
+                        mhc_sinkhorn_iters=mhc_sinkhorn_iters,
+                        attnres_source_sublayers=attnres_source_sublayers(topology, depth, attnres_block_size))
             for i, block_topology in enumerate(self.block_topologies)
         )
         self.fusion = build_fusion(hidden_size, topology, last_block_topology=self.block_topologies[-1],

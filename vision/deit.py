@@ -6,7 +6,8 @@ replaced by :class:`DeiTBlock` (timm's attention and MLP) on a residual topology
 
 After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registry::
 
-    deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt}_patch16_224
+    deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt,hc,mhc,attnres,
+                            attnres_block}_patch16_224
 
 Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here builds the same network with the
 same state-dict keys.
@@ -36,6 +37,7 @@ from common.residual import (
     DyT,
     ResidualBlock,
     StreamFusion,
+    attnres_source_sublayers,
     block_topologies,
     build_block,
     build_fusion,
@@ -146,12 +148,17 @@ class SiameseNormVisionTransformer(VisionTransformer):
         topology: ``siamese`` (default), ``pre``, ``post``, ``mixln``, or a baseline: ``residual``
             (ResiDual), ``sandwich`` (Peri-LN), ``deepnorm``, ``layerscale`` (Pre-Norm + LayerScale,
             ``init_values`` default 1e-5, 1e-6 deeper than 18 blocks as in CaiT), ``dyt`` (Pre-Norm with
-            Dynamic Tanh for every LayerNorm). See :mod:`common.residual`.
+            Dynamic Tanh for every LayerNorm), ``hc`` / ``mhc`` (Hyper-Connections, manifold-constrained),
+            ``attnres`` / ``attnres_block`` (Attention Residuals, full or over block sums). See :mod:`common.residual`.
         normalized_input: SiameseNorm's ``LN_in`` (paper Table 3 "Normalized Input").
         depth_scaling: SiameseNorm's ``1/sqrt(2(l+1))`` on the ``X`` update (Table 3 "Depth-wise Scaling").
         recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
             (:class:`common.residual.SiameseNormBlock`).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default: a quarter of depth).
+        hc_streams: ``hc``/``mhc``: the expansion rate ``n``, streams carried (default 4).
+        hc_dynamic: ``hc``/``mhc``: input-dependent connections (the papers' dynamic form); False: static.
+        mhc_sinkhorn_iters: ``mhc``: Sinkhorn-Knopp iterations of the residual map (20, as the paper).
+        attnres_block_size: ``attnres_block``: transformer blocks per AttnRes block (default: at most 8 blocks).
         **kwargs: every ``VisionTransformer`` argument (``img_size``, ``patch_size``, ``embed_dim``,
             ``depth``, ``num_heads``, ``drop_path_rate``, ``num_classes``, ...).
     """
@@ -163,6 +170,10 @@ class SiameseNormVisionTransformer(VisionTransformer):
         depth_scaling: bool = True,
         mixln_post_blocks: Optional[int] = None,
         recompute_norms: bool = False,
+        hc_streams: int = 4,
+        hc_dynamic: bool = True,
+        mhc_sinkhorn_iters: int = 20,
+        attnres_block_size: Optional[int] = None,
         **kwargs,
     ):
         check_topology(topology)
@@ -175,11 +186,13 @@ class SiameseNormVisionTransformer(VisionTransformer):
             kwargs["norm_layer"] = DyT
         topologies = block_topologies(topology, depth, mixln_post_blocks)
         block_fn = partial(deit_block, topologies=topologies, normalized_input=normalized_input,
-                           depth_scaling=depth_scaling, recompute_norms=recompute_norms)
+                           depth_scaling=depth_scaling, recompute_norms=recompute_norms, hc_streams=hc_streams,
+                           hc_dynamic=hc_dynamic, mhc_sinkhorn_iters=mhc_sinkhorn_iters,
+                           attnres_source_sublayers=attnres_source_sublayers(topology, depth, attnres_block_size))
         super().__init__(block_fn=block_fn, **kwargs)
         self.topology = topology
         self.block_topologies = topologies
-        self.streams = build_streams(topology)
+        self.streams = build_streams(topology, hc_streams)
         # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
         # cannot pass through Sequential.forward.
         self.blocks = nn.ModuleList(self.blocks)
@@ -335,7 +348,8 @@ _SIZES = {
     "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
     "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
 }
-_TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt")
+_TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt", "hc", "mhc",
+               "attnres", "attnres_block")
 
 MODEL_NAMES = tuple(f"deit_{size}_{topology}_patch16_224" for size in _SIZES for topology in _TOPOLOGIES)
 default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
