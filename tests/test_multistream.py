@@ -18,17 +18,6 @@ from tests.test_deit import SMALL, randomize_
 DIT_SMALL = dict(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=4, num_heads=4, num_classes=10)
 
 
-@pytest.fixture
-def images():
-    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture
-def latents():
-    gen = torch.Generator().manual_seed(2)
-    return torch.randn(4, 4, 8, 8, generator=gen), torch.tensor([0, 17, 500, 999]), torch.tensor([0, 3, 9, 10])
-
-
 def perturb_connections_(model, seed=4):
     """Static connections near their structure (read one stream, pass the streams on, write to every stream) plus
     noise; :func:`randomize_` leaves the dynamic weights, scales and norms at 0.1 N(0, 1) and 1 + 0.2 N(0, 1)."""
