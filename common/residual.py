@@ -10,9 +10,9 @@ files name them, and whose ``forward`` is its update rule. A model's block (``vi
 sublayer reads besides its input: the attention mask (DeiT) or the adaLN modulation (DiT).
 
 The stream state is a tensor for the single-stream topologies and ``(X, Y)`` for the two-stream ones
-(SiameseNorm, ResiDual); the module :func:`build_streams` makes creates it from the embedding and the one
-:func:`build_fusion` makes turns the final state into the features the head reads. Both are modules so that a
-model's block loop is written once: TorchScript types the state by the modules a model holds.
+(SiameseNorm, ResiDual); a module from :func:`build_streams` creates it from the embedding and one from
+:func:`build_fusion` turns the final state into the features the head reads. Both are modules so that a model's
+block loop is written once: TorchScript types the state by the modules a model holds.
 
 The multi-stream and cross-layer designs generalise the state: ``hc`` and ``mhc`` (Hyper-Connections and their
 manifold-constrained form) carry ``n`` streams as one ``(B, T, n, D)`` tensor, and ``attnres`` / ``attnres_block``
