@@ -621,6 +621,14 @@ class DepthAttention(nn.Module):
         return h
 
 
+class SoleSource(nn.Module):
+    """The depth attention of the first sublayer, which has one source, the embedding: a softmax over one source is
+    1, so it reads the embedding and has nothing to learn (a pseudo-query there would get no gradient)."""
+
+    def forward(self, sources: List[Tensor]) -> Tensor:
+        return sources[0]
+
+
 class AttnResBlock(ResidualBlock):
     """Attention Residuals over Pre-Norm sublayers: each sublayer reads a depth attention over the sources and adds
     its output as a new source (``attnres``) or into the newest one (``attnres_block``)::
@@ -630,7 +638,8 @@ class AttnResBlock(ResidualBlock):
     The sources start as ``[embedding]``. With ``source_sublayers = s``, sublayer ``k`` (``2l`` attention,
     ``2l+1`` MLP of block ``l``) starts a new source when ``k`` is a multiple of ``s``: ``s = 1`` is Full AttnRes,
     ``s = 2 x blocks`` Block AttnRes, whose block sums are those of the standard residual inside the block.
-    Depth attentions ``depth_attn{1,2}`` (:class:`DepthAttention`), norms ``norm{1,2}`` as Pre-Norm's.
+    Depth attentions ``depth_attn{1,2}`` (:class:`DepthAttention`; block 0's first reads the embedding alone,
+    :class:`SoleSource`), norms ``norm{1,2}`` as Pre-Norm's.
     """
 
     topology = "attnres"
@@ -642,7 +651,7 @@ class AttnResBlock(ResidualBlock):
         self.source_sublayers = source_sublayers
         self.norm1 = (input_norm_layer or norm_layer)(dim)
         self.norm2 = (input_norm_layer or norm_layer)(dim)
-        self.depth_attn1 = DepthAttention(dim)
+        self.depth_attn1 = DepthAttention(dim) if layer_index > 0 else SoleSource()
         self.depth_attn2 = DepthAttention(dim)
 
     def add_source(self, sources: List[Tensor], z: Tensor, sublayer_index: int) -> List[Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 import vision  # noqa: F401  (registers our models)
 from common.checkpoint import load_weights, save_weights
-from common.residual import DepthAttention, HyperConnection, sinkhorn_knopp
+from common.residual import DepthAttention, HyperConnection, SoleSource, sinkhorn_knopp
 from diffusion.models import DiT
 from tests.test_deit import SMALL, randomize_
 
@@ -167,7 +167,10 @@ def rms_norm(v, weight, eps=1e-6):
 
 
 def depth_attention(sources, attn):
-    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i (arXiv 2603.15031, Eq. 2-4), stacked as the paper's pseudo-code."""
+    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i (arXiv 2603.15031, Eq. 2-4), stacked as the paper's pseudo-code;
+    one source has weight 1 whatever ``w`` (the first sublayer's input is the embedding)."""
+    if len(sources) == 1:
+        return sources[0]
     values = torch.stack(sources)                                    # (N, B, T, D)
     logits = torch.einsum("d,nbtd->nbt", attn.query, rms_norm(values, attn.key_weight))
     return torch.einsum("nbt,nbtd->btd", logits.softmax(0), values)
@@ -233,7 +236,8 @@ def test_attnres_init_reads_the_mean_of_the_sources():
     torch.testing.assert_close(attn(sources), torch.stack(sources).mean(0), rtol=0, atol=1e-6)
     model = timm.create_model("deit_tiny_attnres_block_patch16_224", **{**SMALL, "depth": 12})
     assert [b.source_sublayers for b in model.blocks] == [4] * 12  # 2 blocks per AttnRes block: 6 blocks
-    assert not any(b.depth_attn1.query.any() for b in model.blocks) and not model.norm.depth_attn.query.any()
+    assert not any(b.depth_attn1.query.any() for b in model.blocks[1:]) and not model.norm.depth_attn.query.any()
+    assert isinstance(model.blocks[0].depth_attn1, SoleSource)  # reads the embedding alone: nothing to learn
     assert DiT(**{**DIT_SMALL, "depth": 24}, topology="attnres_block").blocks[0].source_sublayers == 6
 
 
@@ -250,13 +254,11 @@ def test_compiles_without_graph_breaks(topology, images):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("topology", ["hc", "attnres"])
+@pytest.mark.parametrize("topology", ["hc", "attnres", "attnres_block"])
 def test_weights_round_trip_and_gradients_reach_every_parameter(topology, images, tmp_path):
     model = deit(topology).train()
     model(images).logsumexp(-1).sum().backward()
-    dead = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
-    # Full AttnRes's first reader has one source, the embedding: a softmax over one source has no gradient.
-    assert dead == (["blocks.0.depth_attn1.query", "blocks.0.depth_attn1.key_weight"] if topology == "attnres" else [])
+    assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()] == []
     save_weights(model, tmp_path / "w.safetensors")
     other = timm.create_model(f"deit_tiny_{topology}_patch16_224", **SMALL).eval()
     load_weights(other, tmp_path / "w.safetensors")
