@@ -4,7 +4,8 @@ Four diagnostics; each *computes* a plain dict of numbers from a model (or a run
 :func:`write_diagnostic` turns ``{label: result}`` into ``<kind>.json`` + ``<kind>.png``:
 
 * :func:`hidden_state_norms` -- mean per-token L2 norm of each stream after each block (paper Fig. 2a):
-  Pre-Norm's stream grows with depth, Post-Norm's stays at ~sqrt(dim), Siamese has one of each.
+  Pre-Norm's stream grows with depth, Post-Norm's stays at ~sqrt(dim), Siamese has one of each; Hyper-Connections
+  report each of their ``n`` streams, Attention Residuals the newest source (the output magnitude of its paper).
 * :func:`layer_removal` -- held-out loss when one block at a time returns its input unchanged, minus the
   intact loss (Fig. 2c): how much the network relies on each block.
 * :func:`stream_contribution` -- mean |weight| of the learned fusion norms of a SiameseNorm model: per block
@@ -16,8 +17,9 @@ On a trained DeiT run directory (``vision.train`` output), all at once::
 
     python -m scripts.diagnose --run runs/fmnist_deit_siamese --out runs/fmnist_deit_siamese/diagnostics
 
-The hooks go on ``model.blocks`` (timm ViT and our DiT both have it); a block's output is a tensor
-(one stream) or an ``(X, Y)`` tuple (SiameseNorm, ResiDual).
+The hooks go on ``model.blocks`` (timm ViT and our DiT both have it); a block's output is a tensor (one stream, or
+``n`` streams as ``(B, T, n, D)``), an ``(X, Y)`` tuple (SiameseNorm, ResiDual) or a list of sources (Attention
+Residuals). Layer removal works on every state: a removed block returns the state it was given.
 """
 from __future__ import annotations
 
@@ -48,11 +50,18 @@ def model_blocks(model: nn.Module) -> Sequence[nn.Module]:
 
 
 def _streams(state) -> Dict[str, torch.Tensor]:
+    """The named streams of a block's state: ``h`` (one stream), ``x``/``y`` (two), ``s0``... (the ``n`` streams of
+    Hyper-Connections, a ``(B, T, n, D)`` tensor), or for Attention Residuals (a list of sources) ``v``, the newest
+    source: the output (or block sum) the last sublayer wrote."""
     if isinstance(state, torch.Tensor):
+        if state.dim() == 4:
+            return {f"s{i}": state[..., i, :] for i in range(state.shape[-2])}
         return {"h": state}
-    if isinstance(state, (tuple, list)) and len(state) == 2:
+    if isinstance(state, tuple) and len(state) == 2:
         return {"x": state[0], "y": state[1]}
-    raise TypeError(f"a block passed on a {type(state).__name__}; expected a tensor or an (X, Y) tuple")
+    if isinstance(state, list):
+        return {"v": state[-1]}
+    raise TypeError(f"a block passed on a {type(state).__name__}; expected a tensor, an (X, Y) tuple or a list")
 
 
 def _token_norm(t: torch.Tensor) -> float:

@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 
 from common.cli import one_line_errors
-from diffusion.models import DiT_models, load_dit
+from diffusion.checkpoints import load_dit
+from diffusion.models import DiT_models
 from diffusion.sampling import Decoder, SamplingError
 
 FORMATS = ("hub", "diffusers")

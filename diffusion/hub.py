@@ -1,7 +1,7 @@
 """A DiT in the Hugging Face stack: shared with its description, exported to diffusers, sampled by a pipeline.
 
 * :class:`DiTModel` is our DiT (any topology) as a diffusers ``ModelMixin`` + ``ConfigMixin``: ``save_pretrained``
-  writes ``config.json`` (the :class:`~diffusion.models.DiTSpec`) and ``diffusion_pytorch_model.safetensors`` (the
+  writes ``config.json`` (the :class:`~diffusion.spec.DiTSpec`) and ``diffusion_pytorch_model.safetensors`` (the
   DiT's own keys), ``from_pretrained`` reads a folder or a Hub repository, ``push_to_hub`` shares it.
 * :func:`to_diffusers_transformer` turns a Pre-Norm DiT into diffusers' ``DiTTransformer2DModel`` (the published
   architecture, which diffusers implements); :func:`exact_timesteps` makes its timestep features DiT's.
@@ -19,7 +19,8 @@ import torch
 from diffusers import ConfigMixin, DiTTransformer2DModel, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from diffusion.models import DiT, DiTSpec
+from diffusion.models import DiT
+from diffusion.spec import DiTSpec
 
 Tensor = torch.Tensor
 
@@ -27,7 +28,7 @@ Tensor = torch.Tensor
 class DiTModel(DiT, ModelMixin, ConfigMixin):
     """:class:`~diffusion.models.DiT` under diffusers' ``from_pretrained`` / ``save_pretrained`` / ``push_to_hub``.
 
-    The config is the model's :class:`~diffusion.models.DiTSpec` (``model_kwargs`` is its ``kwargs``: diffusers
+    The config is the model's :class:`~diffusion.spec.DiTSpec` (``model_kwargs`` is its ``kwargs``: diffusers
     drops a config key named ``kwargs``); the state dict is the DiT's, so its weights load anywhere a DiT's do.
     """
 

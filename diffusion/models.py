@@ -1,8 +1,5 @@
 """DiT (Peebles & Xie, 2023) with adaLN-Zero on the shared residual block: Pre-Norm, Post-Norm, Mix-LN, SiameseNorm.
 
-(Over 500 lines: the network and its one description, :class:`DiTSpec`, which builds it and reads and writes what
-a checkpoint says of it, live in one file so that the two cannot drift apart.)
-
 The network follows the official facebookresearch/DiT model file (same module names, same
 initialisation, same timestep and position embeddings), so the official checkpoints load into the
 Pre-Norm model unchanged. Only the block wiring differs between topologies, and that lives in
@@ -18,6 +15,8 @@ is the block's non-affine input LayerNorm output (docs/method.md section 3):
   ``fusion = LN_x(X) + LN_y(Y)`` feeds the final layer.
 * ``mixln``   -- ``post`` blocks first, ``pre`` blocks after (:func:`common.residual.block_topologies`).
 * ``residual`` (ResiDual) and ``deepnorm`` -- baselines from :mod:`common.residual`, with the gated sublayer.
+* ``hc``, ``mhc`` (Hyper-Connections, manifold-constrained), ``attnres``, ``attnres_block`` (Attention Residuals)
+  -- the multi-stream and cross-layer designs, around DiT's own non-affine norms and gated sublayers.
 
 Not offered for DiT: ``sandwich`` (a LayerNorm on the gated output would rescale away adaLN-Zero's
 gate), ``layerscale`` (the adaLN gate already is a learned per-channel gain on each update, zero at
@@ -25,42 +24,42 @@ init) and ``dyt`` (DiT's input norms are non-affine and modulated; a DyT variant
 
 Usage::
 
-    from diffusion.models import DiT_models, load_dit
+    from diffusion.models import DiT_models
     model = DiT_models["DiT-B/2"](topology="siamese")       # input_size=32 latents (256px images)
     out = model(x, t, y)                                     # (N, 2C, H, W) with learned sigma
-    model, spec, _ = load_dit("runs/dit_b2_siamese/ema.safetensors")   # any checkpoint, rebuilt from what it records
+
+The model's description (:class:`diffusion.spec.DiTSpec`) and the checkpoint formats
+(:func:`diffusion.checkpoints.load_dit`) live beside this file.
 
 The constructor's defaults are the published DiT's (DiT-XL/2 on 256px ImageNet latents, label dropout 0.1, learned
 sigma), as timm's model constructors keep their papers'; training recipes set their own in ``configs/``.
 """
 from __future__ import annotations
 
-import inspect
-import json
 import math
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from timm.layers import Attention, Mlp, PatchEmbed
 
-from common.checkpoint import CheckpointError, convert_state_dict, load_weights
+from common.checkpoint import convert_state_dict
 from common.residual import (
     LN_EPS,
     ResidualBlock,
+    accumulated_stream,
     block_topologies,
+    attnres_source_sublayers,
     build_block,
     build_fusion,
+    build_streams,
     check_topology,
     deepnorm_init_,
-    init_streams,
 )
 
-DIT_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "deepnorm")
+DIT_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "deepnorm", "hc", "mhc", "attnres", "attnres_block")
 
 Tensor = torch.Tensor
 
@@ -209,11 +208,15 @@ class DiT(nn.Module):
         class_dropout_prob: label dropout for classifier-free guidance (null class id ``num_classes``).
         num_classes: number of classes (1000 for ImageNet).
         learn_sigma: output ``2*in_channels`` channels (epsilon and the variance interpolation).
-        topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual`` or ``deepnorm``.
+        topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual``, ``deepnorm``, ``hc``,
+            ``mhc``, ``attnres`` or ``attnres_block``.
         normalized_input, depth_scaling: SiameseNorm's ``LN_in`` and ``1/sqrt(2(l+1))`` (paper Table 3).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default a quarter of depth).
         recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
             (:class:`common.residual.SiameseNormBlock`).
+        hc_streams, hc_dynamic, mhc_sinkhorn_iters: ``hc``/``mhc`` (Hyper-Connections): streams ``n``, dynamic or
+            static connections, Sinkhorn-Knopp iterations.
+        attnres_block_size: ``attnres_block``: transformer blocks per AttnRes block (default: at most 8 blocks).
     """
 
     def __init__(
@@ -233,6 +236,10 @@ class DiT(nn.Module):
         depth_scaling: bool = True,
         mixln_post_blocks: Optional[int] = None,
         recompute_norms: bool = False,
+        hc_streams: int = 4,
+        hc_dynamic: bool = True,
+        mhc_sinkhorn_iters: int = 20,
+        attnres_block_size: Optional[int] = None,
     ):
         super().__init__()
         check_topology(topology, DIT_TOPOLOGIES)
@@ -257,10 +264,13 @@ class DiT(nn.Module):
         # A frozen parameter, not a buffer, so that the official checkpoints' `pos_embed` key and
         # parameter counts (which include it) match.
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
+        self.streams = build_streams(topology, hc_streams)
         self.blocks = nn.ModuleList(
             build_block(DiTBlock, block_topology, hidden_size, num_heads, mlp_ratio, layer_index=i,
                         normalized_input=normalized_input, depth_scaling=depth_scaling, num_blocks=depth,
-                        recompute_norms=recompute_norms)
+                        recompute_norms=recompute_norms, hc_streams=hc_streams, hc_dynamic=hc_dynamic,
+                        mhc_sinkhorn_iters=mhc_sinkhorn_iters,
+                        attnres_source_sublayers=attnres_source_sublayers(topology, depth, attnres_block_size))
             for i, block_topology in enumerate(self.block_topologies)
         )
         self.fusion = build_fusion(hidden_size, topology, last_block_topology=self.block_topologies[-1],
@@ -314,19 +324,19 @@ class DiT(nn.Module):
         ``force_drop_ids`` (1 = drop) overrides that choice per sample. The output has the dtype of
         the residual streams (fp32 under bf16 autocast), so the diffusion loss is computed in fp32.
         ``t`` may be continuous (SiT's times in [0, 1]); the embedding takes any real value.
-        ``hidden_after=k`` also returns the tokens ``(N, T, D)`` after block ``k`` (1-based; REPA aligns them): the
-        stream a single-stream topology carries, and for the two-stream ones (SiameseNorm, ResiDual) ``Y``, the
-        plain accumulation ``embedding + sum of the block updates``, the quantity Pre-Norm's stream is.
+        ``hidden_after=k`` also returns the tokens ``(N, T, D)`` after block ``k`` (1-based; REPA aligns them):
+        :func:`common.residual.accumulated_stream`, ``embedding + sum of the updates``, the quantity Pre-Norm's
+        stream is (``Y`` for SiameseNorm and ResiDual).
         """
         tokens = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
-        state = init_streams(tokens, self.topology)
+        state = self.streams(tokens)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled()
         hidden = None
         for i, block in enumerate(self.blocks):
             state = checkpoint(block, state, c, use_reentrant=False) if use_checkpoint else block(state, c)
             if i + 1 == hidden_after:
-                hidden = state[1] if isinstance(state, tuple) else state
+                hidden = accumulated_stream(state)
         out = self.unpatchify(self.final_layer(self.fusion(state), c))
         # Under autocast the streams stay fp32 but the last linear returns bf16; hand the loss the stream dtype.
         out = out.to(tokens.dtype)
@@ -397,211 +407,3 @@ def _factory(name: str) -> Callable[..., DiT]:
 
 
 DiT_models: Dict[str, Callable[..., DiT]] = {name: _factory(name) for name in DIT_CONFIGS}
-
-
-# ------------------------------------------------------------------------------------- the model's description
-
-def published_default(argument: str):
-    """The published DiT's value of a ``DiT(...)`` argument: its constructor's default."""
-    return inspect.signature(DiT).parameters[argument].default
-
-
-SPEC_OWN = ("input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "topology")
-
-
-def check_dit_arguments(name: str, topology: str, class_dropout_prob: float, kwargs: Dict[str, Any],
-                        where: str = "model.") -> None:
-    """What a DiT description may hold (a config's ``model:`` section, a checkpoint's metadata)."""
-    check_topology(topology, DIT_TOPOLOGIES)
-    if name not in DiT_models:
-        raise ValueError(f"{where}name={name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
-    if not 0.0 <= class_dropout_prob < 1.0:
-        raise ValueError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
-    allowed = [p for p in inspect.signature(DiT).parameters if p not in SPEC_OWN]
-    unknown = [k for k in kwargs if k not in allowed]
-    if unknown:
-        raise ValueError(f"{where}kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
-
-
-@dataclass
-class DiTSpec:
-    """Everything that rebuilds a DiT around its weights and samples it as it was trained, in one place.
-
-    The trainer writes it into ``model.safetensors`` / ``ema.safetensors`` (:meth:`metadata`); the sampler, FID,
-    export and comparison read it back from any checkpoint (:func:`load_dit`), and a shared folder carries it as
-    its ``config.json`` (:mod:`diffusion.hub`). What a file does not record falls back to the published DiT's
-    values (:meth:`published`): the official checkpoints record nothing.
-    """
-
-    name: str  # a key of DiT_models
-    topology: str
-    learn_sigma: bool
-    class_dropout_prob: float
-    in_channels: int
-    input_size: int  # latent side (pixels for pixel-space models)
-    num_classes: int
-    autoencoder: str  # the VAE that decodes samples (directory or Hugging Face id); "none": pixel space
-    num_timesteps: int  # the diffusion schedule the model was trained with
-    beta_start: float
-    beta_end: float
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # further DiT arguments (hidden_size, depth, ...)
-    vae_sha256: Optional[str] = None  # fingerprint of the VAE that encoded the training latents, if recorded
-    vae_scaling_factor: Optional[float] = None
-    class_names: Optional[List[str]] = None  # one per class (WordNet ids, folder names), if recorded
-    transport: Optional[Dict[str, Any]] = None  # SiT's transport it was trained with (Transport.description()); None: DDPM
-
-    def __post_init__(self):
-        check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs, where="")
-        if self.class_names is not None and len(self.class_names) != self.num_classes:
-            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
-
-    @classmethod
-    def published(cls, name: str, **values) -> "DiTSpec":
-        """``name`` with the published DiT's values (constructor defaults, SD VAE, DiT's schedule) under ``values``."""
-        from diffusion.gaussian_diffusion import DIT_SCHEDULE
-        from diffusion.latents import DEFAULT_VAE
-
-        defaults = {k: published_default(k) for k in SPEC_OWN}
-        schedule = {"num_timesteps": DIT_SCHEDULE["num_train_timesteps"], "beta_start": DIT_SCHEDULE["beta_start"],
-                    "beta_end": DIT_SCHEDULE["beta_end"]}
-        return cls(name=name, **{**defaults, "autoencoder": DEFAULT_VAE, **schedule, **values})
-
-    # ---------------------------------------------------------------------------------------------- build
-    def dit_kwargs(self) -> Dict[str, Any]:
-        """The ``DiT(...)`` arguments of this model."""
-        own = {k: getattr(self, k) for k in SPEC_OWN}
-        return {**DIT_CONFIGS[self.name], **own, **self.kwargs}
-
-    def build(self) -> DiT:
-        return DiT(**self.dit_kwargs())
-
-    def diffusion(self, **options):
-        """The model's diffusion; ``options`` (``sampling_steps``, ``spacing``) go to GaussianDiffusion."""
-        from diffusion.gaussian_diffusion import GaussianDiffusion
-
-        return GaussianDiffusion(self.num_timesteps, self.beta_start, self.beta_end, learn_sigma=self.learn_sigma,
-                                 **options)
-
-    @property
-    def shape(self) -> Tuple[int, int, int]:
-        """``(C, H, W)`` of one sample the model denoises."""
-        return self.in_channels, self.input_size, self.input_size
-
-    # ------------------------------------------------------------------------------------ write and read
-    def metadata(self, **extra) -> Dict[str, str]:
-        """safetensors metadata (all strings) that :meth:`from_metadata` reads back; ``extra`` (e.g. ``step``) rides along."""
-        values = {"model": self.name, "model_kwargs": json.dumps(self.kwargs),
-                  **{k: getattr(self, k) for k in (*SPEC_OWN, "autoencoder", "num_timesteps", "beta_start", "beta_end",
-                                                   "vae_sha256", "vae_scaling_factor")}}
-        if self.class_names is not None:
-            values["class_names"] = json.dumps(self.class_names)
-        if self.transport is not None:
-            values["transport"] = json.dumps(self.transport)
-        return {k: str(v) for k, v in {**values, **extra}.items() if v is not None}
-
-    @staticmethod
-    def from_metadata(meta: Dict[str, str]) -> Dict[str, Any]:
-        """The fields a safetensors file of diffusion.train records (none for other files)."""
-        if "model" not in meta:
-            return {}
-        as_bool = lambda s: s.lower() == "true"  # noqa: E731
-        convert = {"model": ("name", str), "model_kwargs": ("kwargs", json.loads), "topology": ("topology", str),
-                   "learn_sigma": ("learn_sigma", as_bool), "class_dropout_prob": ("class_dropout_prob", float),
-                   "in_channels": ("in_channels", int), "input_size": ("input_size", int),
-                   "num_classes": ("num_classes", int), "autoencoder": ("autoencoder", str),
-                   "num_timesteps": ("num_timesteps", int), "beta_start": ("beta_start", float),
-                   "beta_end": ("beta_end", float), "vae_sha256": ("vae_sha256", str),
-                   "vae_scaling_factor": ("vae_scaling_factor", float), "class_names": ("class_names", json.loads),
-                   "transport": ("transport", json.loads)}
-        return {field: fn(meta[key]) for key, (field, fn) in convert.items() if key in meta}
-
-    @staticmethod
-    def from_train_config(config: Dict[str, Any], sample_shape: Optional[Sequence[int]] = None,
-                          vae: Optional[Dict[str, Any]] = None, class_names: Optional[Sequence[str]] = None
-                          ) -> Dict[str, Any]:
-        """The fields of a diffusion.train config (as a dict). Without ``sample_shape`` (a training checkpoint read
-        later) the sample shape follows from the data: pixels of ``image_size``, or latents of the 8x SD VAE."""
-        model, data, schedule = config.get("model", {}), config.get("data", {}), config.get("diffusion", {})
-        if sample_shape is None and "image_size" in data:
-            pixel = data.get("dataset") == "fashion_mnist"
-            sample_shape = (1, data["image_size"]) if pixel else (4, data["image_size"] // 8)
-        found = {"name": model.get("name"), "topology": model.get("topology"), "learn_sigma": model.get("learn_sigma"),
-                 "class_dropout_prob": model.get("class_dropout_prob"), "kwargs": model.get("kwargs"),
-                 "num_classes": data.get("num_classes"), "autoencoder": data.get("autoencoder"),
-                 **{k: schedule.get(k) for k in ("num_timesteps", "beta_start", "beta_end")},
-                 "class_names": None if class_names is None else list(class_names)}
-        if (config.get("transport") or {}).get("enabled"):
-            from diffusion.transport import transport_from_config
-
-            found["transport"] = transport_from_config(config["transport"]).description()
-        if sample_shape is not None:
-            found.update(in_channels=int(sample_shape[0]), input_size=int(sample_shape[1]))
-        found.update({k: (vae or {}).get(k) for k in ("vae_sha256", "vae_scaling_factor")})
-        return {k: v for k, v in found.items() if v is not None}
-
-    @classmethod
-    def resolve(cls, found: Dict[str, Any], overrides: Optional[Dict[str, Any]] = None) -> "DiTSpec":
-        """Command-line values over what the checkpoint records over the published DiT's values."""
-        values = {**found, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-        if "name" not in values:
-            raise ValueError("this checkpoint does not say which model it holds (a plain state dict such as the "
-                             f"official DiT-XL-2-256x256.pt): pass --model (one of {', '.join(DiT_models)}) and "
-                             "--image-size")
-        if values["name"] not in DiT_models:
-            raise ValueError(f"--model {values['name']!r} is not a DiT; choose one of {', '.join(DiT_models)}")
-        return cls.published(**values)
-
-
-HUB_WEIGHTS = "diffusion_pytorch_model.safetensors"  # the weights file of a save_pretrained folder (diffusion.hub)
-
-
-def read_checkpoint(path, weights: Optional[str] = None) -> Tuple[Any, Dict[str, Any], Optional[str]]:
-    """``(state dict source, spec fields the file records, weights entry used)`` of any DiT checkpoint: a
-    safetensors file of diffusion.train (metadata), a training checkpoint ``step_*.pt`` (its config; the EMA weights
-    unless ``weights`` names another entry), a ``save_pretrained`` folder (``config.json``) or a plain state dict."""
-    from common.checkpoint import read_file
-
-    path = Path(path)
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"{path} is a folder without config.json: not a saved DiT (DiTModel.save_pretrained)")
-        config = json.loads(config_file.read_text())
-        if config.get("_class_name") != "DiTModel":
-            raise CheckpointError(f"{config_file} describes a {config.get('_class_name')}, not a DiTModel (python -m "
-                                  "diffusion.export --format hub writes one)")
-        config = {k: v for k, v in config.items() if not k.startswith("_")}
-        config["kwargs"] = config.pop("model_kwargs", None) or {}  # diffusers' configs cannot hold a key "kwargs"
-        return read_file(path / HUB_WEIGHTS), {k: v for k, v in config.items() if v is not None}, None
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        source = read_file(path)  # a missing, truncated or damaged file is a CheckpointError naming it
-        with safe_open(str(path), "pt") as f:
-            return source, DiTSpec.from_metadata(f.metadata() or {}), None
-    raw = read_file(path)
-    found = DiTSpec.from_train_config(raw["config"]) if isinstance(raw.get("config"), dict) else {}
-    if weights is None and isinstance(raw.get("ema"), dict):
-        weights = "ema"  # sample the EMA weights by default, as DiT does
-    return raw, found, weights
-
-
-def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Optional[str] = None
-             ) -> Tuple[DiT, DiTSpec, str]:
-    """``(model in eval mode, its spec, the weights entry used)`` from any checkpoint (:func:`read_checkpoint`).
-
-    ``overrides`` (None values ignored) take precedence over the file; ``image_size`` (pixels) sets the
-    ``input_size`` of a latent model through the 8x VAE."""
-    source, found, key = read_checkpoint(checkpoint, weights)
-    overrides = dict(overrides or {})
-    image_size = overrides.pop("image_size", None)
-    if image_size is not None:
-        pixel = (overrides.get("autoencoder") or found.get("autoencoder")) == "none"
-        overrides["input_size"] = image_size if pixel else image_size // 8
-    spec = DiTSpec.resolve(found, overrides)
-    model = spec.build()
-    try:
-        load_weights(model, source, key=key)
-    except CheckpointError as err:
-        raise CheckpointError(f"{checkpoint}: {err}") from None
-    return model.eval().requires_grad_(False), spec, key or "weights"

@@ -18,7 +18,8 @@ from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTransf
 
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
-from diffusion.models import DiT, DiTSpec, guide
+from diffusion.models import DiT, guide
+from diffusion.spec import DiTSpec
 from diffusion.sampling import SAMPLERS, SamplingError, guided_fn, model_fn_for, sample_generators, sample_loop
 
 

@@ -55,7 +55,8 @@ from common.checkpoint import weights_fingerprint
 from common.cli import one_line_errors
 from common.distributed import use_fast_cuda_kernels
 from diffusion.gaussian_diffusion import SPACINGS
-from diffusion.models import DIT_TOPOLOGIES, DiT_models, load_dit
+from diffusion.checkpoints import load_dit
+from diffusion.models import DIT_TOPOLOGIES, DiT_models
 from diffusion.sampling import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
                                 class_names, sampling_objective, write_grid, write_sample_set)
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport

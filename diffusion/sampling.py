@@ -31,7 +31,8 @@ from common.durable import atomic_savez, atomic_write, atomic_write_text
 from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, images_to_uint8
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.latents import load_vae
-from diffusion.models import DiT, DiTSpec
+from diffusion.models import DiT
+from diffusion.spec import DiTSpec
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, shift_times, times
 
 Tensor = torch.Tensor

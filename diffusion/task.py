@@ -25,8 +25,8 @@ from common import trainer
 from common.config import config_to_dict
 from common.data import resolve_num_workers
 from diffusion.data import DataConfig, DiffusionExamples, build_images
-from diffusion.models import DiTSpec, check_dit_arguments
 from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, sampling_objective, write_grid
+from diffusion.spec import DiTSpec, check_dit_arguments
 from diffusion.transport import Transport, transport_from_config
 
 

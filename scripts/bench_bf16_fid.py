@@ -18,7 +18,7 @@ import time
 import torch
 
 from diffusion.evaluation import Evaluator
-from diffusion.models import load_dit
+from diffusion.checkpoints import load_dit
 from diffusion.sampling import Decoder, Sampler, balanced_labels
 
 

@@ -8,15 +8,15 @@ accelerator memory (GPU only) and parameter counts.
 ``--memory``: no timing; the activation memory of one forward, fp32 and bf16 autocast, eager and (with
 ``--compile``) compiled, and its ratio to the first variant.
 
-Variants are topologies (with the model's defaults), plus ``siamese-fused`` and ``siamese-stored``:
-SiameseNorm with ``recompute_norms`` on and off (its norm chain fused into one autograd node that rebuilds the
-``LN_in`` input in backward, or the three norm modules, which store it). After the table, one line per variant
-gives its step-time and saved-activation ratios to the first variant side by side. Progress goes to stderr as
-it happens.
+Variants are topologies with the model's defaults, or a topology with model options after ``+``:
+``siamese+recompute_norms`` is SiameseNorm with ``recompute_norms=True`` (its norm chain fused into one autograd
+node that rebuilds the ``LN_in`` input in backward; plain ``siamese`` runs the three norm modules, which store it),
+``hc+hc_streams=2`` sets an integer. After the table, one line per variant gives its step-time and
+saved-activation ratios to the first variant side by side. Progress goes to stderr as it happens.
 
     python -m scripts.bench_block --model tiny --img-size 32 --patch-size 4 --batch-size 64 --threads 1
     python -m scripts.bench_block --model small --img-size 224 --patch-size 16 --batch-size 2 --memory \\
-        --topologies pre,siamese-fused,siamese-stored --compile --compile-backend aot_eager_decomp_partition
+        --topologies pre,siamese+recompute_norms,siamese --compile --compile-backend aot_eager_decomp_partition
     python -m scripts.bench_block --device cuda --dtype bfloat16 --batch-size 256     # GPU, paper size
 """
 from __future__ import annotations
@@ -45,16 +45,17 @@ def restart_clock() -> None:
     _START = time.perf_counter()
 
 
-SIAMESE_VARIANTS = {"siamese-fused": True, "siamese-stored": False}
-
-
 def variant_kwargs(variant: str) -> dict:
-    """Model keyword arguments of a benchmark variant: a topology name (the model's defaults otherwise), or
-    ``siamese-fused`` / ``siamese-stored`` (SiameseNorm with ``recompute_norms`` on / off: the fused norm chain
-    or the three norm modules)."""
-    if variant in SIAMESE_VARIANTS:
-        return {"topology": "siamese", "recompute_norms": SIAMESE_VARIANTS[variant]}
-    return {"topology": variant}
+    """Model keyword arguments of a benchmark variant ``TOPOLOGY[+OPTION[=VALUE]]...``: ``siamese``,
+    ``siamese+recompute_norms`` (``recompute_norms=True``), ``hc+hc_streams=2``, ``hc+hc_dynamic=false``."""
+    import yaml
+
+    topology, *options = variant.split("+")
+    kwargs = {"topology": topology}
+    for option in options:
+        key, _, value = option.partition("=")
+        kwargs[key] = yaml.safe_load(value) if value else True
+    return kwargs
 
 
 def _sync(device: torch.device):
@@ -330,7 +331,7 @@ def main(argv: Sequence[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(DEIT_SIZES), default="tiny", help="DeiT size")
     parser.add_argument("--topologies", default="pre,siamese,post",
-                        help="comma-separated variants (topologies, siamese-fused, siamese-stored); "
+                        help="comma-separated variants (topologies, or TOPOLOGY+OPTION[=VALUE], e.g. siamese+recompute_norms); "
                              "the first is the baseline")
     parser.add_argument("--img-size", type=int, default=32)
     parser.add_argument("--patch-size", type=int, default=4)

@@ -6,13 +6,13 @@ variants interleaved step by step (timing loop shared with ``scripts.bench_block
 median step time and its ratio to the first variant, the activation memory autograd saves (any
 device) and its ratio, peak GPU memory (CUDA only) and parameter counts. ``--memory`` measures
 activation memory only (fp32 and bf16 autocast, eager and with ``--compile`` compiled), and variants
-include ``siamese-fused`` / ``siamese-stored`` (``recompute_norms`` on / off: the fused norm chain or the three
-norm modules), as in ``scripts.bench_block``, which also prints each variant's ratios side by side.
+are topologies or ``TOPOLOGY+OPTION[=VALUE]`` (``siamese+recompute_norms``: the fused norm chain; plain ``siamese``:
+the three norm modules), as in ``scripts.bench_block``, which also prints each variant's ratios side by side.
 Progress goes to stderr as it happens.
 
     python -m scripts.bench_dit --models DiT-S/2,DiT-B/2 --batch-size 8                 # CPU, 32x32 latents
     python -m scripts.bench_dit --models DiT-B/2 --batch-size 2 --memory \
-        --topologies pre,siamese-fused,siamese-stored --compile --compile-backend aot_eager_decomp_partition
+        --topologies pre,siamese+recompute_norms,siamese --compile --compile-backend aot_eager_decomp_partition
     python -m scripts.bench_dit --models DiT-B/2,DiT-L/4 --device cuda --dtype bfloat16 --batch-size 256
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None):
     parser.add_argument("--models", default="DiT-S/2,DiT-B/2",
                         help=f"comma-separated DiT names; one of {', '.join(DiT_models)}")
     parser.add_argument("--topologies", default="pre,siamese,post",
-                        help="comma-separated variants (topologies, siamese-fused, siamese-stored); "
+                        help="comma-separated variants (topologies, or TOPOLOGY+OPTION[=VALUE], e.g. siamese+recompute_norms); "
                              "the first is the baseline")
     parser.add_argument("--latent-size", type=int, default=32, help="latent height/width (32 = 256px images)")
     parser.add_argument("--in-channels", type=int, default=4)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from diffusion.models import DiTSpec
+from diffusion.spec import DiTSpec
 from diffusion.sampling import chain_noise, draw_noise, sample_generators, sample_loop, sample_seeds
 
 

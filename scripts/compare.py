@@ -374,8 +374,9 @@ def parse_args(argv=None):
     args.out = args.out or ROOT / "runs" / f"compare_{args.task}{'_quick' if args.quick else ''}"
     args.report = args.report or args.out
     from common.residual import MODEL_TOPOLOGIES
+    from diffusion.models import DIT_TOPOLOGIES
 
-    allowed = MODEL_TOPOLOGIES if args.task == "deit" else ("pre", "post", "siamese", "mixln", "residual", "deepnorm")
+    allowed = MODEL_TOPOLOGIES if args.task == "deit" else DIT_TOPOLOGIES
     bad = [t for t in args.topologies if t not in allowed]
     if bad:
         p.error(f"--topologies {' '.join(bad)}: unknown for --task {args.task}; choose from {', '.join(allowed)}")
@@ -414,6 +415,43 @@ def run_specs(opts) -> List[RunSpec]:
     return sorted(phase, key=lambda r: (phase[r], r.seed, r.depth, r.lr, objectives[r.objective], order[r.topology]))
 
 
+def reused_runs(reuse: Optional[dict], results: Sequence[dict], opts) -> tuple:
+    """A study's ``reuse: {study, topologies, check: {depth, seed}}``: the per-seed results of those topologies
+    from ``docs/results/<study>/summary.json``, at this study's depths and lrs, taken into the report only if this
+    code, retraining the ``check`` runs, gets the same metric to four decimals (the old run folders are not kept,
+    so the finished summary is what the retrained runs are checked against). Returns ``(values, note)``."""
+    if not reuse:
+        return None, ""
+    metric = METRIC[opts.task][0]
+    old = {(s["depth"], s["lr"], s["topology"]): s
+           for s in json.loads((ROOT / "docs" / "results" / reuse["study"] / "summary.json").read_text())}
+    grids = STUDIES[reuse["study"]]["grids"]
+    values = {}
+    for (depth, lr, topo), s in old.items():
+        if topo in reuse["topologies"] and depth in opts.depths and lr in opts.lrs:
+            seeds = sorted({seed for g in grids if topo in g["topologies"] and depth in g["depths"] for seed in g["seeds"]})
+            if s["diverged"] or len(s["values"]) != len(seeds):
+                raise InputError(f"{reuse['study']}: {topo} depth {depth} has diverged or missing seeds; its runs "
+                                 "cannot be reused seed by seed")
+            values[(depth, lr, topo)] = dict(zip(seeds, s["values"]))
+    check = reuse["check"]
+    checks = []
+    for topo in reuse["topologies"]:
+        mine = [r for r in results if (r["topology"], r["depth"], r["seed"]) == (topo, check["depth"], check["seed"])]
+        theirs = values.get((check["depth"], opts.lrs[0], topo), {}).get(check["seed"])
+        if not mine:
+            return None, (f"The {', '.join(reuse['topologies'])} runs of {reuse['study']} are not reused yet: the check "
+                          f"run {topo} depth {check['depth']} seed {check['seed']} is unfinished.")
+        checks.append((topo, mine[0].get(metric), theirs))
+    described = "; ".join(f"{t}: {a:.4f} retrained, {b:.4f} in {reuse['study']}" for t, a, b in checks)
+    if any(a is None or b is None or round(a, 4) != round(b, 4) for _, a, b in checks):
+        return None, (f"The {reuse['study']} runs are **not** reused: retrained with this code, the check runs differ "
+                      f"({described}).")
+    return values, (f"The {', '.join(reuse['topologies'])} values of the other seeds are {reuse['study']}'s runs "
+                    f"(docs/results/{reuse['study']}/summary.json), reused because this code, retraining depth "
+                    f"{check['depth']} seed {check['seed']}, gets the same {metric} to four decimals ({described}).")
+
+
 def _compare(opts, argv) -> Path:
     import vision  # noqa: F401  (registers the DeiT topologies with timm)
 
@@ -428,14 +466,18 @@ def _compare(opts, argv) -> Path:
         (results.append(json.loads(done.read_text())) if done.is_file() else pending.append(spec.name))
     command = "python -m scripts.compare " + " ".join(a for a in argv if a != "--report-only")  # the command that trains
     notes = opts.notes.read_text() if opts.notes else ""
+    reused, reuse_note = reused_runs(getattr(opts, "reuse", None), results, opts)
+    baselines = getattr(opts, "baselines", None) or ()
     objectives = list(dict.fromkeys(s.objective for s in specs))
     if len(objectives) == 1:
-        path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes)
+        path = write_report(results, runs_dir, opts.report, opts.task, pending, command, notes,
+                            baselines=baselines, reused=reused, reuse_note=reuse_note)
     else:  # a report per objective, and one that sets them side by side
         for objective in objectives:
             write_report([r for r in results if r.get("objective", DEFAULT_OBJECTIVE) == objective], runs_dir,
                          opts.report / objective, opts.task,
-                         [s.name for s in specs if s.objective == objective and s.name in pending], command)
+                         [s.name for s in specs if s.objective == objective and s.name in pending], command,
+                         baselines=baselines)
         reproduces = {k: ROOT / v for k, v in (opts.reproduces or {}).items()}
         path = write_objectives_report(results, opts.report, objectives, pending, command, notes, reproduces)
     print(f"\nwrote {path}" + (f" ({len(pending)} runs unfinished; rerun the same command to continue)" if pending else ""))

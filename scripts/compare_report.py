@@ -63,6 +63,37 @@ def paired_differences(summary: Dict[tuple, dict], topology: str, baseline: str 
     return out
 
 
+def add_reused(summary: Dict[tuple, dict], reused: Dict[tuple, Dict[int, float]]) -> None:
+    """Merge per-seed values of another study's runs (``{(depth, lr, topology): {seed: value}}``) into ``summary``
+    for the seeds this comparison did not train itself; ``reused`` counts them."""
+    for key, by_seed in reused.items():
+        s = summary.setdefault(key, {"runs": 0, "diverged": 0, "final_loss": None, "by_seed": {}})
+        added = {seed: v for seed, v in by_seed.items() if seed not in s["by_seed"]}
+        s["by_seed"] = dict(sorted({**s["by_seed"], **added}.items()))
+        s["values"] = list(s["by_seed"].values())
+        s["mean"], s["std"] = _mean_std(s["values"])
+        s["n"], s["runs"], s["reused"] = len(s["values"]), s["runs"] + len(added), len(added)
+
+
+def verdicts(summary: Dict[tuple, dict], baselines: Sequence[str], higher: bool) -> List[str]:
+    """Every other topology against each baseline, per depth and lr: the mean paired difference (same seed), its 95%
+    Student-t interval, and the verdict: better or worse when the interval excludes 0, else within noise."""
+    sign = 1.0 if higher else -1.0
+    lines = []
+    for topo in sorted({t for _, _, t in summary} - set(baselines)):
+        for base in baselines:
+            for (depth, lr), (mean, std, n) in sorted(paired_differences(summary, topo, base).items()):
+                if n < 2:
+                    lines.append(f"{topo} - {base}, depth {depth}, lr {lr:g}: {mean:+.2f} (one seed) -> untested")
+                    continue
+                half = _t95(n - 1) * std / math.sqrt(n)
+                gain = sign * mean
+                verdict = "better" if gain > half else "worse" if gain < -half else "within noise"
+                lines.append(f"{topo} - {base}, depth {depth}, lr {lr:g}: {mean:+.2f}, 95% interval "
+                             f"[{mean - half:+.2f}, {mean + half:+.2f}] over {n} seeds -> **{verdict}**")
+    return lines
+
+
 def _t95(df: int) -> float:
     """Two-sided 95% Student-t quantile: with 2 or 3 seeds the interval is wide, as it should be."""
     from scipy.stats import t
@@ -144,7 +175,8 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
 
 
 COLORS = {"pre": "tab:blue", "post": "tab:red", "siamese": "tab:green", "mixln": "tab:purple", "residual": "tab:orange",
-          "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive", "dyt": "tab:cyan"}
+          "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive", "dyt": "tab:cyan",
+          "hc": "gold", "mhc": "darkgoldenrod", "attnres": "navy", "attnres_block": "slateblue"}
 
 
 def mean_curve(curves: Sequence[Sequence[tuple]]) -> List[tuple]:
@@ -240,11 +272,16 @@ def write_diagnostic_plots(results: Sequence[dict], runs_dir: Path, report_dir: 
 
 
 def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task: str, pending: Sequence[str] = (),
-                 command: str = "", notes: str = "") -> Path:
-    """``report_dir/report.md`` + ``loss_curves.png`` + per-setting diagnostic plots from finished runs."""
+                 command: str = "", notes: str = "", baselines: Sequence[str] = (),
+                 reused: Optional[Dict[tuple, Dict[int, float]]] = None, reuse_note: str = "") -> Path:
+    """``report_dir/report.md`` + ``loss_curves.png`` + per-setting diagnostic plots from finished runs.
+
+    ``baselines``: every other topology is judged against each (:func:`verdicts`). ``reused``: per-seed values of
+    another study's runs taken into the tables (:func:`add_reused`), ``reuse_note`` saying why they may be."""
     report_dir.mkdir(parents=True, exist_ok=True)
     metric, label, higher = METRIC[task]
     summary = summarize(results, metric)
+    add_reused(summary, reused or {})
     lines = [f"# {task.upper()} topology comparison", ""]
     if command:
         lines += ["Regenerate (finished runs under the same --out are reused; elsewhere, e.g. on a fresh clone, every run "
@@ -257,7 +294,15 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
         final = f"{s['final_loss']:.3f}" if s["final_loss"] is not None else "--"
         lines.append(f"| {depth} | {lr:g} | {topo} | {_fmt(s['mean'], s['std'], s['n'])} | {s['n']}/{s['runs']} | "
                      f"{s['diverged']} | {final} |")
+    if reuse_note:
+        lines += ["", reuse_note]
     lines += identical_value_notes(summary, label, task)
+    if baselines:
+        lines += ["", f"## Verdicts against {', '.join(baselines)}", "",
+                  f"Rule: the 95% Student-t interval of the mean paired difference in {label} (same seed) lies "
+                  f"{'above' if higher else 'below'} 0 -> better, {'below' if higher else 'above'} 0 -> worse, "
+                  "else within noise.", ""]
+        lines += [f"- {v}" for v in verdicts(summary, baselines, higher)] or ["- none yet: no pair finished"]
     for topo in sorted({t for _, _, t in summary} - {"pre"}):
         diffs = paired_differences(summary, topo)
         if diffs:
@@ -304,7 +349,8 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
     path = report_dir / "report.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     atomic_write_text(report_dir / "summary.json", json.dumps(
-        [{"depth": d, "lr": lr, "topology": t, **{k: v for k, v in s.items() if k != "by_seed"}}
+        [{"depth": d, "lr": lr, "topology": t, "seeds": sorted(s["by_seed"]),
+          **{k: v for k, v in s.items() if k != "by_seed"}}
          for (d, lr, t), s in sorted(summary.items())], indent=1))
     return path
 

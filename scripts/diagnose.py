@@ -22,7 +22,8 @@ from common.diagnostics import (PathLike, grad_norm_trace, hidden_state_norms, l
 from common.distributed import build_accelerator
 from vision.data import build_dataset, build_eval_loader
 from vision.augment import build_transform
-from vision.evaluate import build_model, evaluate
+from vision.deit import build_model
+from vision.evaluate import evaluate
 from vision.train import TrainConfig
 
 
@@ -67,7 +68,7 @@ def diagnose_dit_run(run_dir: PathLike, max_images: Optional[int] = 256) -> Dict
     import torch
 
     from diffusion.data import PixelImages
-    from diffusion.models import load_dit
+    from diffusion.checkpoints import load_dit
 
     run_dir = Path(run_dir)
     if not (run_dir / "ema.safetensors").is_file():

@@ -351,7 +351,8 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     from diffusers import AutoencoderKL
 
     from common.distributed import use_fast_cuda_kernels
-    from diffusion.models import DiT_models, DiTSpec
+    from diffusion.models import DiT_models
+    from diffusion.spec import DiTSpec
     from diffusion.sampling import Decoder, Sampler
 
     use_fast_cuda_kernels()  # what diffusion.sample's main sets

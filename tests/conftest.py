@@ -42,3 +42,20 @@ def pytest_runtest_setup(item):
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"{MISSING_DATA}; under CI a missing dataset is a failure, not a skip", pytrace=False)
     pytest.skip(MISSING_DATA)
+
+
+@pytest.fixture
+def images():
+    """Three 32 px RGB images, the input of the small DeiTs of the model tests."""
+    import torch
+
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def latents():
+    """``(x, t, y)`` of four 8 x 8 latents for the small DiTs: timesteps at both ends, a null-class label."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(4, 4, 8, 8, generator=gen), torch.tensor([0, 17, 500, 999]), torch.tensor([0, 3, 9, 10])

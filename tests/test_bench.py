@@ -8,18 +8,18 @@ TINY_DIT = ["--models", "DiT-S/8", "--latent-size", "16", "--num-classes", "10",
 
 
 def test_bench_block_reports_every_variant_with_progress(capsys):
-    variants = "pre,siamese-fused,siamese-stored,post"
+    variants = "pre,siamese+recompute_norms,siamese,post"
     results = main(["--steps", "1", "--warmup", "0", "--topologies", variants, *TINY_DEIT])
-    assert set(results) == {"pre", "siamese-fused", "siamese-stored", "post"}
-    assert results["siamese-fused"]["params"] - results["pre"]["params"] == 19_200
-    assert results["siamese-stored"]["params"] == results["siamese-fused"]["params"]
+    assert set(results) == {"pre", "siamese+recompute_norms", "siamese", "post"}
+    assert results["siamese+recompute_norms"]["params"] - results["pre"]["params"] == 19_200
+    assert results["siamese"]["params"] == results["siamese+recompute_norms"]["params"]
     # Siamese saves more for backward than Pre-Norm (two streams, six norms per block); storing its norm chain
     # instead of fusing it, more still.
     act = {name: r["activation_mb"] for name, r in results.items()}
-    assert act["siamese-stored"] > act["siamese-fused"] > act["pre"] > 0
+    assert act["siamese"] > act["siamese+recompute_norms"] > act["pre"] > 0
     out, err = capsys.readouterr()
-    assert "x pre" in out and "siamese-stored" in out and "cpu ms" in out
-    assert "siamese-fused/pre: step time" in out and "saved activations" in out
+    assert "x pre" in out and "siamese" in out and "cpu ms" in out
+    assert "siamese+recompute_norms/pre: step time" in out and "saved activations" in out
     assert "pre: ready" in err and "round 1/1" in err  # progress, on stderr, as it goes
 
 
@@ -38,11 +38,11 @@ def test_bench_block_memory_mode(capsys):
 def test_bench_dit_reports_every_variant(capsys):
     from scripts.bench_dit import main as bench_dit
 
-    variants = "pre,siamese-fused,siamese-stored"
+    variants = "pre,siamese+recompute_norms,siamese"
     results = bench_dit([*TINY_DIT, "--steps", "1", "--warmup", "0", "--topologies", variants])["DiT-S/8"]
-    assert results["siamese-stored"]["params"] - results["pre"]["params"] == 12 * 8 * 384 + 4 * 384
+    assert results["siamese"]["params"] - results["pre"]["params"] == 12 * 8 * 384 + 4 * 384
     act = {name: r["activation_mb"] for name, r in results.items()}
-    assert act["siamese-stored"] > act["siamese-fused"] > act["pre"] > 0
+    assert act["siamese"] > act["siamese+recompute_norms"] > act["pre"] > 0
     out, err = capsys.readouterr()
     assert "DiT-S/8" in out and "DiT-S/8" in err
 
@@ -71,7 +71,7 @@ def test_bench_bf16_fid_scores_both_precisions_on_the_same_noise(tmp_path):
 
     from common.checkpoint import save_weights
     from diffusion.evaluation.features import FashionMNISTClassifier
-    from diffusion.models import DiTSpec
+    from diffusion.spec import DiTSpec
     from scripts.bench_bf16_fid import main as bench_bf16
 
     torch.manual_seed(0)

@@ -268,3 +268,42 @@ def test_a_study_over_two_objectives_logs_the_distance_at_fixed_steps(tmp_path, 
     assert "[ddpm](ddpm/report.md), [flow](flow/report.md)" in text and "| flow | siamese |" in text
     assert "- **flow**: " in text and "| step 3 | step 6 |" in text
     assert (tmp_path / "c" / "flow" / "report.md").is_file() and (tmp_path / "c" / "distance_curves.png").is_file()
+
+
+def test_a_study_reuses_another_studys_runs_only_when_its_retrained_pair_matches(tmp_path):
+    """deit_hc_attnres takes deit_depth's Pre-Norm and SiameseNorm seeds when this code, retraining depth 12 seed 0,
+    gets their Top-1; otherwise, or before the pair has run, none."""
+    from scripts.compare import ROOT, parse_args, reused_runs
+
+    opts = parse_args(["--study", "deit_hc_attnres", "--out", str(tmp_path)])
+    old = {(s["topology"], s["depth"]): s["values"]
+           for s in json.loads((ROOT / "docs/results/deit_depth/summary.json").read_text())}
+    pair = [{"topology": t, "depth": 12, "seed": 0, "top1": old[(t, 12)][0]} for t in ("pre", "siamese")]
+    values, note = reused_runs(opts.reuse, pair, opts)
+    assert values[(24, 1e-3, "siamese")] == dict(enumerate(old[("siamese", 24)]))
+    assert set(values) == {(d, 1e-3, t) for d in (12, 24) for t in ("pre", "siamese")}
+    assert "reused because this code, retraining depth 12 seed 0, gets the same top1" in note
+    pair[1]["top1"] += 0.01
+    values, note = reused_runs(opts.reuse, pair, opts)
+    assert values is None and "**not** reused" in note
+    values, note = reused_runs(opts.reuse, pair[:1], opts)
+    assert values is None and "siamese depth 12 seed 0 is unfinished" in note
+
+
+def test_verdicts_against_each_baseline_with_their_95_intervals():
+    from scripts.compare_report import add_reused, summarize, verdicts
+
+    def run(topology, seed, top1):
+        return {"topology": topology, "depth": 12, "lr": 1e-3, "seed": seed, "top1": top1,
+                "divergence": {"diverged": False}, "loss_curve": []}
+
+    results = [run("hc", s, 81 + 0.1 * s + (0.05 if s % 2 else -0.05)) for s in range(6)] + [run("pre", 0, 80.0)]
+    summary = summarize(results, "top1")
+    add_reused(summary, {(12, 1e-3, "pre"): {s: 80 + 0.1 * s for s in range(6)},
+                         (12, 1e-3, "siamese"): {s: 81 + 0.1 * s for s in range(6)}})
+    assert summary[(12, 1e-3, "pre")]["n"] == 6 and summary[(12, 1e-3, "pre")]["reused"] == 5
+    lines = verdicts(summary, ["pre", "siamese"], higher=True)
+    # hc - pre: 1 +- 0.05 alternating, std 0.0548, t(5) 2.571: half-width 0.0575
+    assert lines[0] == "hc - pre, depth 12, lr 0.001: +1.00, 95% interval [+0.94, +1.06] over 6 seeds -> **better**"
+    assert lines[1] == "hc - siamese, depth 12, lr 0.001: +0.00, 95% interval [-0.06, +0.06] over 6 seeds -> **within noise**"
+    assert verdicts(summary, ["pre"], higher=False)[0].endswith("-> **worse**")  # FID: lower is better

@@ -9,7 +9,8 @@ from torchvision.models.feature_extraction import create_feature_extractor
 import vision  # noqa: F401  (registers our models)
 from tests.test_deit import SMALL, randomize_
 
-TOPOLOGIES = ["siamese", "residual", "post", "mixln", "sandwich", "deepnorm", "layerscale", "dyt"]
+TOPOLOGIES = ["siamese", "residual", "post", "mixln", "sandwich", "deepnorm", "layerscale", "dyt", "hc", "mhc",
+              "attnres", "attnres_block"]
 
 
 def model(name, **kw):
@@ -22,7 +23,7 @@ def images():
     return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("topology", ["siamese", "residual", "mixln"])
+@pytest.mark.parametrize("topology", ["siamese", "residual", "mixln", "hc", "attnres"])
 def test_an_intermediate_is_what_the_head_reads_of_the_network_cut_there(topology, images):
     """Intermediate ``l`` with ``norm=True`` equals the features of the same network cut after block ``l``;
     without ``norm`` it lacks only the final norm (SiameseNorm's LN_out), as the model pruned with prune_norm."""
@@ -43,6 +44,9 @@ def test_an_intermediate_is_what_the_head_reads_of_the_network_cut_there(topolog
         x, y = full.blocks[0]((full._embed(images),) * 2)
         fusion = full.norm
         torch.testing.assert_close(torch.cat([raw[0][1], raw[0][0]], 1), fusion.norm_x(x) + fusion.norm_y(y))
+    if topology == "hc":  # the readout of n streams is their sum
+        streams = full.blocks[0](full.streams(full._embed(images)))
+        torch.testing.assert_close(torch.cat([raw[0][1], raw[0][0]], 1), streams.sum(2))
 
 
 def test_single_stream_intermediates_are_timms(images):
@@ -107,7 +111,7 @@ def test_is_causal_is_the_lower_triangular_mask(images):
         net(images, attn_mask=tril, is_causal=True)
 
 
-@pytest.mark.parametrize("topology", ["siamese", "residual", "mixln"])
+@pytest.mark.parametrize("topology", ["siamese", "residual", "mixln", "mhc", "attnres_block"])
 def test_torchscript_and_fx_equal_eager(topology, images):
     net = model(topology)
     with torch.no_grad():

@@ -27,18 +27,29 @@ def token_norm(t):
     return float(t.norm(dim=-1).mean())
 
 
-@pytest.mark.parametrize("topology", ["siamese", "pre", "post"])
+def named_streams(topology, state):
+    """The test's own naming of a state's streams (docs/models.md)."""
+    if topology == "siamese":
+        return {"x": state[0], "y": state[1]}
+    if topology == "hc":
+        return {f"s{i}": state[:, :, i] for i in range(state.shape[2])}
+    if topology == "attnres":
+        return {"v": state[-1]}
+    return {"h": state}
+
+
+@pytest.mark.parametrize("topology", ["siamese", "pre", "post", "hc", "attnres"])
 def test_hidden_state_norms_match_a_hand_loop(topology):
     model = tiny_deit(topology)
     images = torch.randn(5, 3, 28, 28)
     found = hidden_state_norms(model, images)
-    state = (embed(model, images),) * 2 if topology == "siamese" else embed(model, images)
+    state = model.streams(embed(model, images))
     expected = {}
     with torch.no_grad():
         for i in range(len(model.blocks) + 1):
             if i:
                 state = model.blocks[i - 1](state)
-            streams = {"x": state[0], "y": state[1]} if topology == "siamese" else {"h": state}
+            streams = named_streams(topology, state)
             for name, t in streams.items():
                 expected.setdefault(name, []).append(token_norm(t))
     assert found["layers"] == [0, 1, 2, 3]
@@ -76,7 +87,7 @@ def test_layer_removal_of_identity_blocks_changes_nothing():
     assert r["removed_top1"] == [r["intact_top1"]] * 3
 
 
-@pytest.mark.parametrize("topology", ["siamese", "pre"])
+@pytest.mark.parametrize("topology", ["siamese", "pre", "hc", "attnres_block"])
 def test_layer_removal_equals_skipping_the_block_by_hand(topology):
     model = tiny_deit(topology)
     images, labels = torch.randn(6, 3, 28, 28), torch.tensor([0, 1, 2, 3, 0, 1])
@@ -84,7 +95,7 @@ def test_layer_removal_equals_skipping_the_block_by_hand(topology):
     with torch.no_grad():
         intact = float(F.cross_entropy(model(images), labels))
         for dropped in range(3):
-            state = (embed(model, images),) * 2 if topology == "siamese" else embed(model, images)
+            state = model.streams(embed(model, images))
             for i, block in enumerate(model.blocks):
                 if i != dropped:
                     state = block(state)

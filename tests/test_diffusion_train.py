@@ -124,6 +124,22 @@ def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
     same_weights(reference, tmp_path / "recompute", exact=False)
 
 
+@pytest.mark.parametrize("topology", ["hc", "attnres_block"])
+def test_multistream_topologies_train_the_same_on_two_processes(tmp_path, topology):
+    """Hyper-Connections' n streams and Attention Residuals' list of sources through the trainer: one process and
+    two (torchrun, gloo) reach the same weights, and the checkpoint records the topology."""
+    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, f"model.topology={topology}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    main([*args, f"train.output_dir={tmp_path / 'one'}"])
+    same_weights(tmp_path / "one", tmp_path / "two", exact=False)
+    with safe_open(str(tmp_path / "one" / "ema.safetensors"), "pt") as f:
+        assert f.metadata()["topology"] == topology
+
+
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path):
     # An absurd learning rate makes the weights overflow after the first update; every later loss is NaN.
     with pytest.raises(NonFiniteLossError, match="last 3 steps in a row.*No checkpoint from before the divergence"):
@@ -329,7 +345,7 @@ def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
     (fid_one,), (fid_two,) = ([r["fid/fd"] for r in read_metrics(tmp_path / d) if "fid/fd" in r] for d in ("one", "two"))
     assert fid_two == pytest.approx(fid_one, rel=1e-4)  # each process samples its chunks, the main one scores
     assert any(k.startswith("projectors.") for k in load_file(tmp_path / "one" / "ema.safetensors"))
-    from diffusion.models import load_dit
+    from diffusion.checkpoints import load_dit
 
     model, spec, _ = load_dit(tmp_path / "one" / "ema.safetensors")
     assert not hasattr(model, "projectors") and spec.transport["time_distribution"] == "logit_normal"

@@ -10,7 +10,8 @@ from diffusers import AutoencoderKL, DiTTransformer2DModel
 from common.checkpoint import save_weights
 from diffusion.export import main as export_main
 from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
-from diffusion.models import DiTSpec, load_dit
+from diffusion.checkpoints import load_dit
+from diffusion.spec import DiTSpec
 from diffusion.pipeline import DiTSamplingPipeline
 from diffusion.sample import main as sample_main
 from diffusion.sampling import model_fn_for, sample_generators, sample_loop

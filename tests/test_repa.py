@@ -3,7 +3,8 @@ it aligns for each topology, and the frozen encoder read from a DINOv2 weights f
 import pytest
 import torch
 
-from diffusion.models import DiT, load_dit
+from diffusion.checkpoints import load_dit
+from diffusion.models import DiT
 from diffusion.repa import FrozenEncoder, RepaDiT, alignment_loss, projector
 from tests import sit_reference as ref
 

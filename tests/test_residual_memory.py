@@ -15,17 +15,6 @@ from tests.test_dit_models import SMALL as DIT_SMALL, randomize_ as randomize_di
 DEIT = dict(DEIT_SMALL, drop_path_rate=0.0)
 
 
-@pytest.fixture
-def images():
-    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture
-def latents():
-    gen = torch.Generator().manual_seed(2)
-    return torch.randn(4, 4, 8, 8, generator=gen), torch.tensor([0, 17, 500, 999]), torch.tensor([0, 3, 9, 10])
-
-
 def deit(recompute_norms, **kw):
     torch.manual_seed(0)
     return randomize_deit_(timm.create_model("deit_tiny_siamese_patch16_224", recompute_norms=recompute_norms,

@@ -11,7 +11,8 @@ import torch
 
 from common.checkpoint import save_weights
 from diffusion.evaluation.images import open_images, read_sampling_protocol
-from diffusion.models import DiT, load_dit
+from diffusion.checkpoints import load_dit
+from diffusion.models import DiT
 from diffusion.sample import main
 from diffusion.sampling import draw_noise, guided_model_fn, model_fn_for, reverse_chain, sample_generator, sample_loop
 from tests.test_gaussian_diffusion import adm_space_timesteps, dit_diffusion

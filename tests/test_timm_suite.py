@@ -1,5 +1,6 @@
-"""timm's own model tests (``tests/test_models.py`` of the installed timm's sdist, fetched from PyPI) on two of our
-DeiTs, the two-stream ones; ``make test-timm`` runs them on every registered model and timm's DeiT."""
+"""timm's own model tests (``tests/test_models.py`` of the installed timm's sdist, fetched from PyPI) on four of our
+DeiTs, the two-stream ones, mHC's n streams and Block AttnRes's list of sources; ``make test-timm`` runs them on every
+registered model and timm's DeiT."""
 import json
 import os
 
@@ -8,6 +9,7 @@ import pytest
 from scripts.timm_suite import fetch_timm_tests, run_suite
 
 SIAMESE, RESIDUAL = "deit_tiny_siamese_patch16_224", "deit_tiny_residual_patch16_224"
+MHC, ATTNRES_BLOCK = "deit_tiny_mhc_patch16_224", "deit_tiny_attnres_block_patch16_224"
 # What a two-stream model could not do before: timm's feature API, TorchScript and FX.
 MUST_PASS = ("test_model_forward_intermediates", "test_model_forward_intermediates_features",
              "test_model_forward_torchscript", "test_model_forward_fx", "test_model_backward_fx",
@@ -24,14 +26,15 @@ def timm_tests():
         pytest.skip(f"{error}")
 
 
-def test_timm_model_suite_passes_on_the_two_stream_models(timm_tests, tmp_path):
+def test_timm_model_suite_passes_on_the_multi_stream_models(timm_tests, tmp_path):
     """Every test of timm's file that selects these models passes; the slow prune contract (unmarked in timm,
     it prunes at every depth) runs on SiameseNorm only."""
     summary = tmp_path / "summary.json"
-    done = run_suite([SIAMESE, RESIDUAL], ["-q", "-k", "not (residual and prune_intermediate_layers_contract)"],
+    done = run_suite([SIAMESE, RESIDUAL, MHC, ATTNRES_BLOCK],
+                     ["-q", "-k", "not ((residual or mhc or attnres) and prune_intermediate_layers_contract)"],
                      summary=summary)
     counts = json.loads(summary.read_text())
-    assert set(counts) == {SIAMESE, RESIDUAL}
+    assert set(counts) == {SIAMESE, RESIDUAL, MHC, ATTNRES_BLOCK}
     for model, result in counts.items():
         assert result.get("failed", 0) == 0, (model, result["tests"])
         assert all(result["tests"].get(test) == "passed" for test in MUST_PASS), (model, result["tests"])

@@ -216,7 +216,7 @@ def test_a_plain_sit_checkpoint_samples_through_diffusion_sample(tmp_path):
 def test_a_transport_model_shares_as_a_hub_folder_and_refuses_the_ddpm_pipeline(model, tmp_path):
     from common.checkpoint import save_weights
     from diffusion.export import main as export_main
-    from diffusion.models import load_dit
+    from diffusion.checkpoints import load_dit
 
     transport = Transport("gvp", "noise").description()
     meta = {"model": "DiT-S/4", "topology": "pre", "in_channels": 2, "input_size": 8, "num_classes": 5,

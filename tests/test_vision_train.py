@@ -1,6 +1,7 @@
 """The DeiT trainer end to end on small Fashion-MNIST runs (tiny models, a few hundred images, CPU)."""
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32", "data.num_workers=0",
         "train.tensorboard=false", "train.eval_batch_size=200", "train.threads=1"]
 torch.set_num_threads(1)  # tiny models: one thread is faster, and immune to a busy machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def config(tmp_path, *overrides, topology="siamese"):
@@ -88,13 +95,15 @@ def test_divergence_stops_keeps_a_good_checkpoint_and_a_lower_lr_recovers(tmp_pa
     assert steps == sorted(set(steps)) == list(range(1, 9))  # the log was cut back to the resumed step
 
 
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("topology", ["siamese", "mhc", "attnres"])
+def test_two_processes_match_one_process(tmp_path, topology):
     common = ["data.max_train_samples=64", "data.max_val_samples=20", "optim.batch_size=16", "optim.epochs=1",
               "augment.re_prob=0.5", "augment.repeated_aug=2", "train.eval_every=0", "train.log_every=1",
               "optim.warmup_epochs=0", "train.tensorboard=true"]  # TensorBoard on, as users get it
-    args = ["--config", str(ROOT / "configs/fmnist_deit_siamese.yaml"), *TINY, *common]
+    args = ["--config", str(ROOT / "configs/fmnist_deit_siamese.yaml"), *TINY, *common,
+            f"model.name=deit_tiny_{topology}_patch16_224"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "vision.train", *args, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

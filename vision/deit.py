@@ -6,39 +6,49 @@ replaced by :class:`DeiTBlock` (timm's attention and MLP) on a residual topology
 
 After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registry::
 
-    deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt}_patch16_224
+    deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt,hc,mhc,attnres,
+                            attnres_block}_patch16_224
 
 Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here builds the same network with the
 same state-dict keys.
 """
 
-from functools import partial
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import timm
 import torch
 from torch import nn
-from torch.jit import Final
 from torch.utils.checkpoint import checkpoint
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, LayerNorm, LayerScale, Mlp, get_norm_layer
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
+from timm.models import (build_model_with_cfg, generate_default_cfgs, model_entrypoint, register_model,
+                         register_notrace_function)
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from common.checkpoint import convert_state_dict
 from common.residual import (
-    TWO_STREAM_TOPOLOGIES,
     DyT,
     ResidualBlock,
-    StreamState,
+    StreamFusion,
+    attnres_source_sublayers,
     block_topologies,
     build_block,
     build_fusion,
+    build_streams,
     check_topology,
     deepnorm_init_,
-    init_streams,
     readout,
 )
+
+if TYPE_CHECKING:
+    from vision.data import DataConfig
 
 Tensor = torch.Tensor
 
@@ -138,17 +148,20 @@ class SiameseNormVisionTransformer(VisionTransformer):
         topology: ``siamese`` (default), ``pre``, ``post``, ``mixln``, or a baseline: ``residual``
             (ResiDual), ``sandwich`` (Peri-LN), ``deepnorm``, ``layerscale`` (Pre-Norm + LayerScale,
             ``init_values`` default 1e-5, 1e-6 deeper than 18 blocks as in CaiT), ``dyt`` (Pre-Norm with
-            Dynamic Tanh for every LayerNorm). See :mod:`common.residual`.
+            Dynamic Tanh for every LayerNorm), ``hc`` / ``mhc`` (Hyper-Connections, manifold-constrained),
+            ``attnres`` / ``attnres_block`` (Attention Residuals, full or over block sums). See :mod:`common.residual`.
         normalized_input: SiameseNorm's ``LN_in`` (paper Table 3 "Normalized Input").
         depth_scaling: SiameseNorm's ``1/sqrt(2(l+1))`` on the ``X`` update (Table 3 "Depth-wise Scaling").
         recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
             (:class:`common.residual.SiameseNormBlock`).
         mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default: a quarter of depth).
+        hc_streams: ``hc``/``mhc``: the expansion rate ``n``, streams carried (default 4).
+        hc_dynamic: ``hc``/``mhc``: input-dependent connections (the papers' dynamic form); False: static.
+        mhc_sinkhorn_iters: ``mhc``: Sinkhorn-Knopp iterations of the residual map (20, as the paper).
+        attnres_block_size: ``attnres_block``: transformer blocks per AttnRes block (default: at most 8 blocks).
         **kwargs: every ``VisionTransformer`` argument (``img_size``, ``patch_size``, ``embed_dim``,
             ``depth``, ``num_heads``, ``drop_path_rate``, ``num_classes``, ...).
     """
-
-    two_stream: Final[bool]
 
     def __init__(
         self,
@@ -157,6 +170,10 @@ class SiameseNormVisionTransformer(VisionTransformer):
         depth_scaling: bool = True,
         mixln_post_blocks: Optional[int] = None,
         recompute_norms: bool = False,
+        hc_streams: int = 4,
+        hc_dynamic: bool = True,
+        mhc_sinkhorn_iters: int = 20,
+        attnres_block_size: Optional[int] = None,
         **kwargs,
     ):
         check_topology(topology)
@@ -169,11 +186,13 @@ class SiameseNormVisionTransformer(VisionTransformer):
             kwargs["norm_layer"] = DyT
         topologies = block_topologies(topology, depth, mixln_post_blocks)
         block_fn = partial(deit_block, topologies=topologies, normalized_input=normalized_input,
-                           depth_scaling=depth_scaling, recompute_norms=recompute_norms)
+                           depth_scaling=depth_scaling, recompute_norms=recompute_norms, hc_streams=hc_streams,
+                           hc_dynamic=hc_dynamic, mhc_sinkhorn_iters=mhc_sinkhorn_iters,
+                           attnres_source_sublayers=attnres_source_sublayers(topology, depth, attnres_block_size))
         super().__init__(block_fn=block_fn, **kwargs)
         self.topology = topology
         self.block_topologies = topologies
-        self.two_stream = topology in TWO_STREAM_TOPOLOGIES
+        self.streams = build_streams(topology, hc_streams)
         # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
         # cannot pass through Sequential.forward.
         self.blocks = nn.ModuleList(self.blocks)
@@ -200,27 +219,13 @@ class SiameseNormVisionTransformer(VisionTransformer):
         float: added to the scores), broadcast over batch and heads."""
         x = self._embed(x)
         attn_mask = attention_mask(x, attn_mask, is_causal)
-        checkpointing = self.grad_checkpointing and self.training
-        # Written twice because TorchScript types the state: (X, Y) in two-stream models, one tensor otherwise.
-        if self.two_stream:
-            state = (x, x)
-            for block in self.blocks:
-                if attn_mask is not None:
-                    state = block(state, attn_mask)
-                elif checkpointing and not torch.jit.is_scripting():
-                    state = checkpoint(block, state, use_reentrant=False)
-                else:
-                    state = block(state)
-            return self.norm(state)
-        else:
-            for block in self.blocks:
-                if attn_mask is not None:
-                    x = block(x, attn_mask)
-                elif checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(block, x, use_reentrant=False)
-                else:
-                    x = block(x)
-            return self.norm(x)
+        state = self.streams(x)
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
+                state = checkpoint(block, state, attn_mask, use_reentrant=False)
+            else:  # one argument without a mask, so a block replaced by nn.Identity (timm's idiom) still runs
+                state = block(state) if attn_mask is None else block(state, attn_mask)
+        return self.norm(state)
 
     def forward_intermediates(
         self,
@@ -251,15 +256,13 @@ class SiameseNormVisionTransformer(VisionTransformer):
         batch, _, height, width = x.shape
         tokens = self._embed(x)
         attn_mask = attention_mask(tokens, attn_mask, is_causal)
-        state: StreamState = init_streams(tokens, self.topology)
+        state = self.streams(tokens)
         intermediates = []
         for i, block in enumerate(self.blocks[: max_index + 1] if stop_early else self.blocks):
-            if attn_mask is not None:
-                state = block(state, attn_mask)
-            elif self.grad_checkpointing and self.training:
-                state = checkpoint(block, state, use_reentrant=False)
+            if self.grad_checkpointing and self.training:
+                state = checkpoint(block, state, attn_mask, use_reentrant=False)
             else:
-                state = block(state)
+                state = block(state) if attn_mask is None else block(state, attn_mask)
             if i in take_indices:
                 intermediates.append(readout(self.norm, state, norm))
 
@@ -289,9 +292,9 @@ class SiameseNormVisionTransformer(VisionTransformer):
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[: max_index + 1]
         if prune_norm:
-            if self.topology == "siamese":
+            if hasattr(self.norm, "norm_out"):
                 self.norm.norm_out = nn.Identity()
-            elif not self.two_stream:
+            elif not isinstance(self.norm, StreamFusion):
                 self.norm = nn.Identity()
         if prune_head:
             self.fc_norm = nn.Identity()
@@ -345,7 +348,8 @@ _SIZES = {
     "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
     "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
 }
-_TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt")
+_TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt", "hc", "mhc",
+               "attnres", "attnres_block")
 
 MODEL_NAMES = tuple(f"deit_{size}_{topology}_patch16_224" for size in _SIZES for topology in _TOPOLOGIES)
 default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
@@ -379,3 +383,76 @@ def _register(size: str, topology: str):
 for _size in _SIZES:
     for _topo in _TOPOLOGIES:
         _register(_size, _topo)
+
+
+# ------------------------------------------------------------------- the `model:` section of a config
+
+@dataclass
+class ModelConfig:
+    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
+
+    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
+    drop_path: float = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
+    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
+
+    def __post_init__(self):
+        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
+        if unset:
+            raise ValueError(f"model.kwargs {unset} have no value; give each a value or leave it out")
+        if not timm.is_model(self.name):
+            close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
+            raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
+                             "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
+                             "deit_*_patch16_224)")
+        check_model_kwargs(self.name, self.kwargs)
+
+
+def build_model(model: ModelConfig, data: "DataConfig") -> nn.Module:
+    """Create the timm model a config names (name and keyword arguments were checked with the config)."""
+    kwargs = dict(model.kwargs)
+    kwargs.setdefault("img_size", data.input_size)
+    if model.pretrained:
+        check_pretrained_reachable(model.name)
+    try:
+        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
+                                 drop_path_rate=model.drop_path, **kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" in str(err):
+            raise ValueError(f"model.kwargs do not fit {model.name}: {err}") from None
+        raise
+
+
+def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
+    """Fail in seconds, not after a minute of retries, when timm's weights are neither cached nor downloadable."""
+    import socket
+
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        raise ValueError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
+    if cfg.hf_hub_id and any(isinstance(try_to_load_from_cache(cfg.hf_hub_id, f), str)
+                             for f in ("model.safetensors", "pytorch_model.bin", cfg.hf_hub_filename or "model.safetensors")):
+        return
+    if cfg.url and (Path(torch.hub.get_dir()) / "checkpoints" / Path(cfg.url).name).is_file():
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        raise FileNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be reached: "
+                                "pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
+
+
+def check_model_kwargs(name: str, kwargs: dict) -> None:
+    """Unknown keyword arguments of a ViT/DeiT are an error before any work (not a silently ignored setting)."""
+    module = model_entrypoint(name).__module__
+    if module not in ("timm.models.vision_transformer", "timm.models.deit", SiameseNormVisionTransformer.__module__):
+        return  # another timm family: timm's own TypeError is reported by build_model
+    valid = set(inspect.signature(VisionTransformer).parameters)
+    if module == SiameseNormVisionTransformer.__module__:
+        valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise ValueError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
+                         f"{', '.join(sorted(valid - {'kwargs'}))}")

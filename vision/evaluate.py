@@ -20,99 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Literal, Optional
+from typing import Literal, Optional
 
-import timm
 import torch
 import torch.nn.functional as F
 
-import vision  # noqa: F401  (registers our DeiT variants with timm)
 from common.checkpoint import load_weights
 from common.cli import one_line_errors
 from common.config import deep_merge, from_dict, parse_overrides, read_yaml
 from common.durable import atomic_write_text
-from vision.data import DataConfig, build_dataset, build_eval_loader
 from vision.augment import build_transform
-
-
-@dataclass
-class ModelConfig:
-    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
-
-    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
-    drop_path: float = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
-    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
-
-    def __post_init__(self):
-        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
-        if unset:
-            raise ValueError(f"model.kwargs {unset} have no value; give each a value or leave it out")
-        if not timm.is_model(self.name):
-            close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
-            raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
-                             "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
-                             "deit_*_patch16_224)")
-        check_model_kwargs(self.name, self.kwargs)
-
-
-def build_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
-    """Create the timm model a config names (name and keyword arguments were checked with the config)."""
-    kwargs = dict(model.kwargs)
-    kwargs.setdefault("img_size", data.input_size)
-    if model.pretrained:
-        check_pretrained_reachable(model.name)
-    try:
-        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
-                                 drop_path_rate=model.drop_path, **kwargs)
-    except TypeError as err:
-        if "unexpected keyword argument" in str(err):
-            raise ValueError(f"model.kwargs do not fit {model.name}: {err}") from None
-        raise
-
-
-def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
-    """Fail in seconds, not after a minute of retries, when timm's weights are neither cached nor downloadable."""
-    import socket
-
-    from huggingface_hub import try_to_load_from_cache
-
-    cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is None or not (cfg.hf_hub_id or cfg.url):
-        raise ValueError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
-    if cfg.hf_hub_id and any(isinstance(try_to_load_from_cache(cfg.hf_hub_id, f), str)
-                             for f in ("model.safetensors", "pytorch_model.bin", cfg.hf_hub_filename or "model.safetensors")):
-        return
-    if cfg.url and (Path(torch.hub.get_dir()) / "checkpoints" / Path(cfg.url).name).is_file():
-        return
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-    except OSError:
-        raise FileNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be reached: "
-                                "pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
-
-
-def check_model_kwargs(name: str, kwargs: dict) -> None:
-    """Unknown keyword arguments of a ViT/DeiT are an error before any work (not a silently ignored setting)."""
-    import inspect
-
-    from timm.models import model_entrypoint
-    from timm.models.vision_transformer import VisionTransformer
-
-    from vision.deit import SiameseNormVisionTransformer
-
-    module = model_entrypoint(name).__module__
-    if module not in ("timm.models.vision_transformer", "timm.models.deit", SiameseNormVisionTransformer.__module__):
-        return  # another timm family: timm's own TypeError is reported by build_model
-    valid = set(inspect.signature(VisionTransformer).parameters)
-    if module == SiameseNormVisionTransformer.__module__:
-        valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
-    unknown = sorted(set(kwargs) - valid)
-    if unknown:
-        raise ValueError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
-                         f"{', '.join(sorted(valid - {'kwargs'}))}")
+from vision.data import DataConfig, build_dataset, build_eval_loader
+from vision.deit import ModelConfig, build_model
 
 
 @torch.no_grad()

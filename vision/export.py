@@ -42,7 +42,7 @@ def export_run(run_dir, out, weights: str = "ema", push_to_hub: Optional[str] = 
     import vision  # noqa: F401  (registers the topologies)
     from timm.models import push_to_hf_hub, save_for_hf
 
-    from vision.evaluate import build_model
+    from vision.deit import build_model
     from vision.train import TrainConfig
 
     run_dir = Path(run_dir)

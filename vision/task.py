@@ -19,7 +19,8 @@ from common import trainer
 from vision.data import (DataConfig, build_dataset, build_eval_loader, check_same_classes, load_rgb_tensor,
                          unreadable_flags)
 from vision.augment import AugmentConfig, NormalizeErase, build_mixup, build_transform
-from vision.evaluate import ModelConfig, build_model, evaluate
+from vision.deit import ModelConfig, build_model
+from vision.evaluate import evaluate
 
 
 @dataclass(kw_only=True)

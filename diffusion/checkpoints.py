@@ -1,0 +1,72 @@
+"""The checkpoint formats a DiT is read from, each with what it records of the model (:class:`~diffusion.spec.DiTSpec`):
+
+* a ``.safetensors`` file of ``diffusion.train`` (``model.safetensors``, ``ema.safetensors``): the spec in its metadata;
+* a training checkpoint ``step_*.pt``: the run's config, the EMA weights by default;
+* a ``save_pretrained`` folder (:class:`diffusion.hub.DiTModel`): ``config.json`` and :data:`HUB_WEIGHTS`;
+* a plain state dict (the official ``DiT-XL-2-256x256.pt``): nothing, so the published DiT's values.
+
+:func:`load_dit` rebuilds the model from any of them. The public SiameseNorm DiT key layout is converted by the model
+itself (``DiT.convert_state_dict``), as a weights file of any of these formats may hold it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from common.checkpoint import CheckpointError, load_weights, read_file
+from diffusion.models import DiT
+from diffusion.spec import DiTSpec
+
+HUB_WEIGHTS = "diffusion_pytorch_model.safetensors"  # the weights file of a save_pretrained folder (diffusion.hub)
+HUB_CLASS = "DiTModel"  # the class name diffusers records in its config.json: diffusion.hub.DiTModel
+
+
+def read_checkpoint(path, weights: Optional[str] = None) -> Tuple[Any, Dict[str, Any], Optional[str]]:
+    """``(state dict source, spec fields the file records, weights entry used)`` of any DiT checkpoint: a
+    safetensors file of diffusion.train (metadata), a training checkpoint ``step_*.pt`` (its config; the EMA weights
+    unless ``weights`` names another entry), a ``save_pretrained`` folder (``config.json``) or a plain state dict."""
+    path = Path(path)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{path} is a folder without config.json: not a saved DiT (DiTModel.save_pretrained)")
+        config = json.loads(config_file.read_text())
+        if config.get("_class_name") != HUB_CLASS:
+            raise CheckpointError(f"{config_file} describes a {config.get('_class_name')}, not a {HUB_CLASS} (python -m "
+                                  "diffusion.export --format hub writes one)")
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+        config["kwargs"] = config.pop("model_kwargs", None) or {}  # diffusers' configs cannot hold a key "kwargs"
+        return read_file(path / HUB_WEIGHTS), {k: v for k, v in config.items() if v is not None}, None
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        source = read_file(path)  # a missing, truncated or damaged file is a CheckpointError naming it
+        with safe_open(str(path), "pt") as f:
+            return source, DiTSpec.from_metadata(f.metadata() or {}), None
+    raw = read_file(path)
+    found = DiTSpec.from_train_config(raw["config"]) if isinstance(raw.get("config"), dict) else {}
+    if weights is None and isinstance(raw.get("ema"), dict):
+        weights = "ema"  # sample the EMA weights by default, as DiT does
+    return raw, found, weights
+
+
+def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Optional[str] = None
+             ) -> Tuple[DiT, DiTSpec, str]:
+    """``(model in eval mode, its spec, the weights entry used)`` from any checkpoint (:func:`read_checkpoint`).
+
+    ``overrides`` (None values ignored) take precedence over the file; ``image_size`` (pixels) sets the
+    ``input_size`` of a latent model through the 8x VAE."""
+    source, found, key = read_checkpoint(checkpoint, weights)
+    overrides = dict(overrides or {})
+    image_size = overrides.pop("image_size", None)
+    if image_size is not None:
+        pixel = (overrides.get("autoencoder") or found.get("autoencoder")) == "none"
+        overrides["input_size"] = image_size if pixel else image_size // 8
+    spec = DiTSpec.resolve(found, overrides)
+    model = spec.build()
+    try:
+        load_weights(model, source, key=key)
+    except CheckpointError as err:
+        raise CheckpointError(f"{checkpoint}: {err}") from None
+    return model.eval().requires_grad_(False), spec, key or "weights"
