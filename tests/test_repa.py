@@ -28,9 +28,10 @@ def test_projector_and_loss_equal_repas():
     torch.testing.assert_close(alignment_loss(features, 3 * features), torch.full((3,), -1.0))
 
 
-@pytest.mark.parametrize("topology", ["pre", "siamese", "post"])
+@pytest.mark.parametrize("topology", ["pre", "siamese", "post", "hc", "attnres_block"])
 def test_hidden_after_block_k_is_the_stream_repa_aligns(topology):
-    """Pre-Norm and Post-Norm: their one stream after block k; SiameseNorm: Y, the accumulation of the updates."""
+    """The embedding plus the updates so far: Pre-Norm's and Post-Norm's one stream after block k; SiameseNorm's Y;
+    the mean of Hyper-Connections' streams (each that sum at init); the sum of Attention Residuals' sources."""
     torch.manual_seed(0)
     model = DiT(input_size=8, patch_size=4, in_channels=2, hidden_size=32, depth=3, num_heads=2, num_classes=5,
                 topology=topology).eval()
@@ -42,12 +43,12 @@ def test_hidden_after_block_k_is_the_stream_repa_aligns(topology):
     out, hidden = model(x, t, y, hidden_after=2)
     torch.testing.assert_close(out, model(x, t, y))
     c = model.t_embedder(t) + model.y_embedder(y, False)
-    state = model.x_embedder(x) + model.pos_embed
-    if topology == "siamese":
-        state = (state, state)
+    state = model.streams(model.x_embedder(x) + model.pos_embed)
     for block in model.blocks[:2]:
         state = block(state, c)
-    torch.testing.assert_close(hidden, state[1] if topology == "siamese" else state)
+    want = {"siamese": lambda s: s[1], "hc": lambda s: s.mean(dim=2), "attnres_block": lambda s: sum(s)}
+    assert hidden.shape == (2, 4, 32)
+    torch.testing.assert_close(hidden, want.get(topology, lambda s: s)(state))
 
 
 def test_repa_dit_aligns_in_training_and_its_weights_sample_as_a_plain_dit(tmp_path):
