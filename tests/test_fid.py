@@ -87,6 +87,31 @@ def test_adm_statistics_path_equals_torch_fidelity(tmp_path, inception_weights):
     assert direct["metrics"]["fid"] == pytest.approx(theirs, rel=1e-5)
 
 
+def test_every_long_wait_says_so_and_adms_sqrtm_is_a_switch(tmp_path, inception_weights, capsys):
+    """Without --quiet: a line on stderr before reading the reference, loading the extractor and each Frechet
+    distance, a bar over the precision/recall distances; stdout holds only the JSON. --frechet-method sqrtm runs
+    ADM's square root, the same number, and the protocol says which ran."""
+    samples = write_folder(tmp_path / "samples", seed=0, n=6, size=16)
+    reference = write_folder(tmp_path / "reference", seed=1, n=6, size=16, smooth=True)
+    args = ["--samples", str(samples), "--reference", str(reference), "--extractor-weights", str(inception_weights),
+            "--feature-layer", LAYER, "--metrics", "fid,pr", "--device", "cpu", "--num-workers", "0"]
+    capsys.readouterr()
+    fast = fid_cli.main(args)
+    out, err = capsys.readouterr()
+    assert json.loads(out)["metrics"] == fast["metrics"]
+    for line in (f"reading the reference {reference}", "loading the inception-v3-compat feature extractor",
+                 "fid: Frechet distance of 64-d statistics (eigh) ...", "precision/recall distances"):
+        assert line in err, (line, err)
+    assert fast["protocol"]["frechet_method"] == "eigh"
+    adm = fid_cli.main(args + ["--frechet-method", "sqrtm", "--quiet"])
+    assert adm["protocol"]["frechet_method"] == "sqrtm" and "sqrtm" in adm["protocol"]["frechet_distance"]
+    assert adm["metrics"]["fid"] == pytest.approx(fast["metrics"]["fid"], rel=1e-6)
+    assert "Frechet" not in capsys.readouterr().err  # --quiet: no progress
+    with pytest.raises(SystemExit) as exit_info:
+        fid_cli.main(args + ["--frechet-method", "svd"])
+    assert exit_info.value.code == 2 and "--frechet-method" in capsys.readouterr().err
+
+
 def test_inception_weights_from_torch_fidelity_cache_or_clear_error(tmp_path, monkeypatch, inception_weights):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     cached = tmp_path / "torch_home" / "hub" / "checkpoints" / INCEPTION_WEIGHTS_FILE
@@ -207,11 +232,11 @@ def test_dit_metric_set_in_one_pass_against_a_raw_folder_reference(tmp_path, inc
     monkeypatch.setattr(InceptionV3WithSpatial, "forward",
                         lambda self, x: (seen.append(len(x)), real_forward(self, x))[1])
 
-    def frechet_or_record(mu1, sigma1, mu2, sigma2):  # the 2023-d square root would take minutes here
+    def frechet_or_record(mu1, sigma1, mu2, sigma2, **options):  # the 2023-d statistics are checked below
         if len(mu1) > 64:
             sfid_args.append((mu1, sigma1, mu2, sigma2))
             return -1.0
-        return real_frechet(mu1, sigma1, mu2, sigma2)
+        return real_frechet(mu1, sigma1, mu2, sigma2, **options)
 
     monkeypatch.setattr(metrics, "frechet_distance", frechet_or_record)
     result = run_cli("--samples", tmp_path / "samples.npz", "--reference", tmp_path / "ref.npz",
