@@ -103,7 +103,8 @@ def torch_fidelity_fid(stdout: str) -> float:
 def ratio_summary(runs: dict) -> dict:
     """Median seconds per command and torch-fidelity's over ours (above 1: ours is faster)."""
     medians = {name: statistics.median(r["seconds"] for r in rows) for name, rows in runs.items()}
-    return {"median_s": medians, "torch_fidelity_over_ours": medians["torch-fidelity"] / medians["diffusion.fid"]}
+    return {"median_s": medians, "torch_fidelity_over_ours": medians["torch-fidelity"] / medians["diffusion.fid"],
+            "torch_fidelity_over": {name: medians["torch-fidelity"] / m for name, m in medians.items()}}
 
 
 def vs_torch_fidelity(args) -> dict:
@@ -116,6 +117,8 @@ def vs_torch_fidelity(args) -> dict:
     reference = write_png_folder(args.out / "reference", args.count, seed=2)
     result_file = args.out / "ours.json"
     commands = fid_commands(samples, reference, weights, args.batch_size, result_file)
+    if args.adm_sqrtm:  # ADM's matrix root, what diffusion.fid computed before the eigenvalue trace
+        commands["diffusion.fid --frechet-method sqrtm"] = commands["diffusion.fid"] + ["--frechet-method", "sqrtm"]
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -126,13 +129,15 @@ def vs_torch_fidelity(args) -> dict:
             start = time.perf_counter()
             done = subprocess.run(commands[name], env=env, capture_output=True, text=True, check=True)
             seconds = time.perf_counter() - start
-            fid = (json.loads(result_file.read_text())["metrics"]["fid"] if name == "diffusion.fid"
+            fid = (json.loads(result_file.read_text())["metrics"]["fid"] if name.startswith("diffusion.fid")
                    else torch_fidelity_fid(done.stdout))
             row = {"round": round_index, "seconds": seconds, "fid": fid}
             runs[name].append(row)
             print(json.dumps({"command": name, **row}), flush=True)
     result = {"count": args.count, "threads": args.threads, "commands": {k: " ".join(v) for k, v in commands.items()},
               "runs": runs, **ratio_summary(runs)}
+    for name, ratio in result["torch_fidelity_over"].items():
+        print(f"  {name}: median {result['median_s'][name]:.1f} s, torch-fidelity / it = {ratio:.2f}x")
     print(f"FID of {args.count} vs {args.count} PNGs, {args.threads} thread(s), {args.rounds} alternating rounds: "
           f"diffusion.fid {result['median_s']['diffusion.fid']:.1f} s, torch-fidelity "
           f"{result['median_s']['torch-fidelity']:.1f} s (medians); torch-fidelity / diffusion.fid = "
@@ -152,6 +157,8 @@ def main(argv=None) -> dict:
     p.add_argument("--vs-torch-fidelity", action="store_true",
                    help="time the whole FID command beside torch-fidelity's `fidelity` CLI on the same images")
     p.add_argument("--rounds", type=int, default=3, help="--vs-torch-fidelity: runs of each command, alternating")
+    p.add_argument("--adm-sqrtm", action="store_true",
+                   help="--vs-torch-fidelity: also time diffusion.fid --frechet-method sqrtm (ADM's matrix root)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.vs_torch_fidelity:

@@ -1,5 +1,6 @@
 """make gpu-check: a clear error without a GPU, the same code on tiny models on the CPU, and its figures unbiased."""
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,73 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
                               "--out", str(tmp_path / "x.json")])
     assert results["parts"]["sampling"]["status"] == "failed" and "diffusers" in results["parts"]["sampling"]["reason"]
     assert results["parts"]["data_feed"]["status"] == "done" and results["data_feed"]["images_per_s"] > 0
+
+
+class SteppedClock:
+    """A clock the parts below move by the durations they declare (the plan's decisions, not the machine's speed)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_plan_skips_by_measured_durations_once_a_piece_has_run(tmp_path):
+    clock, ran, saves = SteppedClock(), [], []
+    plan = gpu_check.Plan(200, tiny=False, clock=clock)
+
+    def part(name, seconds):
+        def run():
+            ran.append(name)
+            clock.now += seconds
+            return {"ran": name}
+        return run
+
+    jobs = {  # guesses: host_syncs 45 s, sampling 45 s, data_feed 30 s
+        "a": ("host_syncs", False, part("a", 60)),   # fits its guess; measured 60
+        "b": ("host_syncs", False, part("b", 90)),   # expected 60 (measured) <= 140 left; takes 90
+        "c": ("host_syncs", False, part("c", 1)),    # expected 90 (the longest measured) > 50 left: skipped
+        "d": ("sampling", False, part("d", 1)),      # never ran: 45 x (150 / 90 measured over guessed) = 75 > 50
+        "e": ("data_feed", False, part("e", 10)),    # 30 x 150 / 90 = 50 <= 50: runs
+    }
+    results = {}
+    gpu_check.run_parts(list(jobs), jobs, plan, results, lambda: saves.append(dict(results["parts"])))
+    parts = results["parts"]
+    assert ran == ["a", "b", "e"] and [parts[k]["status"] for k in "abcde"] == ["done"] * 2 + ["skipped"] * 2 + ["done"]
+    assert parts["c"]["reason"] == "budget: needs about 90 s (measured), 50 s left"
+    assert parts["d"]["reason"] == "budget: needs about 75 s (estimated), 50 s left"
+    assert plan.measured == {"host_syncs": [60.0, 90.0], "data_feed": [10.0]}
+    assert results["e"] == {"ran": "e"} and len(saves) == 5 and saves[-1] == parts  # written after every part
+
+
+def test_a_part_still_running_at_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
+    """The budget holds whatever the guesses: the part running at its end is stopped (SIGALRM), recorded as
+    stopped, and nothing starts after it."""
+    import threading
+
+    plan = gpu_check.Plan(1.0, tiny=False)
+    plan.record("data_feed", 0.01)  # measured short: it fits
+
+    def never_ends():
+        threading.Event().wait()
+
+    jobs = {"quick": ("data_feed", False, lambda: {"done": True}), "stuck": ("data_feed", False, never_ends),
+            "after": ("data_feed", False, lambda: {"done": True})}
+    results = {}
+    gpu_check.run_parts(list(jobs), jobs, plan, results, lambda: None)
+    parts = results["parts"]
+    assert parts["quick"]["status"] == "done" and results["quick"] == {"done": True}
+    assert parts["stuck"]["status"] == "stopped" and "stopped after" in parts["stuck"]["reason"]
+    assert parts["after"] == {"status": "skipped", "reason": "budget: spent (a part was stopped at the budget)"}
+    assert "after" not in results and plan.spent and not plan.in_part
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the timer is disarmed after the parts
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--out", "--only", "--budget-s", "--sync-warmup", "--compiled-step-time", "--allow-cpu", "--tiny"):
+        assert flag in text, flag
