@@ -21,6 +21,10 @@ from vision.data import (DataConfig, build_dataset, build_eval_loader, check_sam
 from vision.augment import AugmentConfig, NormalizeErase, build_mixup, build_transform
 from vision.evaluate import ModelConfig, build_model, evaluate
 
+# What a DeiT run reports (final_metrics.json, the demo, the studies): the raw model's Top-1, as DeiT's recipe does;
+# the EMA's is logged alongside as val_ema/top1. vision.export exports these weights unless told otherwise.
+REPORTED_METRIC, REPORTED_WEIGHTS = "val/top1", "model"
+
 
 @dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
