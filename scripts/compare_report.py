@@ -143,10 +143,6 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
     return lines
 
 
-COLORS = {"pre": "tab:blue", "post": "tab:red", "siamese": "tab:green", "mixln": "tab:purple", "residual": "tab:orange",
-          "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive", "dyt": "tab:cyan"}
-
-
 def mean_curve(curves: Sequence[Sequence[tuple]]) -> List[tuple]:
     """``[(step, mean loss)]`` over the runs that logged each step (non-finite values left out)."""
     by_step: Dict[int, list] = {}
@@ -157,36 +153,42 @@ def mean_curve(curves: Sequence[Sequence[tuple]]) -> List[tuple]:
     return [(step, statistics.fmean(v)) for step, v in sorted(by_step.items())]
 
 
-def plot_loss_curves(results: Sequence[dict], path: Path) -> None:
-    """One panel per (depth, lr): every run as a thin line coloured by topology, the mean over its seeds thick
-    (non-finite points are gaps; a curve of one logged point is a dot)."""
-    from common.diagnostics import pyplot
+def loss_curves_figure(results: Sequence[dict]):
+    """One panel per (depth, lr): every run as a thin line coloured by topology (common.plots), the mean over its
+    seeds thick (non-finite points are gaps; a curve of one logged point is a dot with its value)."""
+    from common.plots import TOPOLOGY_COLORS, plain_ticks, plot_series, pyplot
 
-    plt = pyplot()
     settings = sorted({(r["depth"], r["lr"]) for r in results})
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
     for ax, (depth, lr) in zip(axes[0], settings):
         runs = [r for r in results if (r["depth"], r["lr"]) == (depth, lr) and r["loss_curve"]]
         for topo in sorted({r["topology"] for r in runs}):
             mine = [r["loss_curve"] for r in runs if r["topology"] == topo]
-            color = COLORS.get(topo)
+            color = TOPOLOGY_COLORS.get(topo)
             for curve in mine:
                 steps, losses = zip(*curve)
-                ax.plot(steps, [v if math.isfinite(v) else float("nan") for v in losses], lw=0.6, alpha=0.35,
-                        color=color, marker="o" if len(curve) == 1 else None, ms=3)
+                plot_series(ax, steps, losses, color=color, lw=0.6, alpha=0.35, ms=3)
             mean = mean_curve(mine)
             if mean:
                 steps, losses = zip(*mean)
-                ax.plot(steps, losses, lw=1.8, color=color, marker="o" if len(mean) == 1 else None, ms=4,
-                        label=f"{topo} (mean of {len(mine)})" if len(mine) > 1 else topo)
+                plot_series(ax, steps, losses, color=color, lw=1.8, ms=4,
+                            label=f"{topo} (mean of {len(mine)})" if len(mine) > 1 else topo)
         ax.set_title(f"depth {depth}, lr {lr:g}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+        plain_ticks(ax)
     fig.tight_layout()
+    return fig
+
+
+def plot_loss_curves(results: Sequence[dict], path: Path) -> None:
+    from common.plots import pyplot
+
+    fig = loss_curves_figure(results)
     fig.savefig(path, dpi=80)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def identical_value_notes(summary: Dict[tuple, dict], label: str, task: str) -> List[str]:
