@@ -8,20 +8,36 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def train_tiny(run_dir, *overrides) -> dict:
+    """The Fashion-MNIST SiameseNorm recipe shrunk to 64 images, 4 steps of 16 an epoch, with an EMA."""
+    from common.config import load_config
+    from vision import train as deit_train
+
+    cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
+        "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 7}", "data.num_workers=0",
+        "train.tensorboard=false", "train.threads=1", "data.max_train_samples=64", "data.max_val_samples=20",
+        "optim.batch_size=16", "train.ema_decay=0.5", f"train.output_dir={run_dir}", *overrides])
+    return deit_train.train(cfg)
+
+
+def tiny_deit(state_dict):
+    """The tiny run's network, built by timm, holding ``state_dict``."""
+    import timm
+
+    model = timm.create_model("deit_tiny_siamese_patch16_224", embed_dim=32, depth=2, num_heads=2, patch_size=7,
+                              img_size=28, num_classes=10).eval()
+    model.load_state_dict(state_dict)
+    return model
+
+
 @pytest.mark.fashion_mnist
 def test_a_trained_deit_round_trips_through_timms_hub_format(tmp_path):
     import timm
     from safetensors.torch import load_file
 
-    from common.config import load_config
-    from vision import train as deit_train
     from vision.export import main as export_main
 
-    cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
-        "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 7}", "data.num_workers=0",
-        "train.tensorboard=false", "train.threads=1", "data.max_train_samples=64", "data.max_val_samples=20",
-        "optim.batch_size=16", "optim.epochs=1", "train.ema_decay=0.5", f"train.output_dir={tmp_path / 'run'}"])
-    final = deit_train.train(cfg)
+    final = train_tiny(tmp_path / "run", "optim.epochs=1")
     out = export_main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hub"), "--weights", "ema"])
     config = json.loads((out / "config.json").read_text())
     assert config["architecture"] == "deit_tiny_siamese_patch16_224" and config["num_classes"] == 10
@@ -30,9 +46,7 @@ def test_a_trained_deit_round_trips_through_timms_hub_format(tmp_path):
     assert pretrained["input_size"] == [3, 28, 28] and pretrained["mean"] == [0.286] * 3 and pretrained["crop_pct"] == 1.0
 
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
-    ema = timm.create_model("deit_tiny_siamese_patch16_224", embed_dim=32, depth=2, num_heads=2, patch_size=7,
-                            img_size=28, num_classes=10).eval()
-    ema.load_state_dict(load_file(tmp_path / "run" / "ema.safetensors"))
+    ema = tiny_deit(load_file(tmp_path / "run" / "ema.safetensors"))
     x = torch.randn(3, 3, 28, 28)
     assert torch.equal(model(x), ema(x))
     data = timm.data.resolve_data_config(model=model)
@@ -54,20 +68,11 @@ def test_export_takes_the_weights_the_run_reports_and_refuses_an_unfinished_run(
     import timm
     from safetensors.torch import load_file
 
-    from common.checkpoint import load_weights
-    from common.config import load_config
+    from common.checkpoint import unwrap_state_dict
     from common.train_state import load_training_checkpoint
-    from vision import train as deit_train
     from vision.export import main as export_main
 
-    def run(name, *overrides):
-        cfg = load_config(deit_train.TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
-            "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 7}", "data.num_workers=0",
-            "train.tensorboard=false", "train.threads=1", "data.max_train_samples=64", "data.max_val_samples=20",
-            "optim.batch_size=16", "train.ema_decay=0.5", f"train.output_dir={tmp_path / name}", *overrides])
-        return deit_train.train(cfg)
-
-    final = run("done", "optim.epochs=1")
+    final = train_tiny(tmp_path / "done", "optim.epochs=1")
     capsys.readouterr()
     out = export_main(["--run", str(tmp_path / "done"), "--out", str(tmp_path / "hub")])
     said = capsys.readouterr().out
@@ -77,15 +82,13 @@ def test_export_takes_the_weights_the_run_reports_and_refuses_an_unfinished_run(
     assert record["weights"] == "model" and record["finished"] and record["step"] == 4 == final["steps"]
     assert record["reported_metric"] == "val/top1" and record["top1"] == final["val/top1"]
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
-    raw = timm.create_model("deit_tiny_siamese_patch16_224", embed_dim=32, depth=2, num_heads=2, patch_size=7,
-                            img_size=28, num_classes=10).eval()
-    raw.load_state_dict(load_file(tmp_path / "done" / "model.safetensors"))
+    raw = tiny_deit(load_file(tmp_path / "done" / "model.safetensors"))
     x = torch.randn(2, 3, 28, 28)
     assert torch.equal(model(x), raw(x))
     ema = load_file(tmp_path / "done" / "ema.safetensors")
     assert any(not torch.equal(v, raw.state_dict()[k]) for k, v in ema.items())  # the choice matters
 
-    run("paused", "optim.epochs=2", "train.stop_at_step=1")
+    train_tiny(tmp_path / "paused", "optim.epochs=2", "train.stop_at_step=1")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         export_main(["--run", str(tmp_path / "paused"), "--out", str(tmp_path / "refused")])
@@ -97,9 +100,8 @@ def test_export_takes_the_weights_the_run_reports_and_refuses_an_unfinished_run(
     assert "from step 1 of 8: an UNFINISHED run" in capsys.readouterr().out
     record = json.loads((out / "config.json").read_text())["siamesenorm_export"]
     assert (record["weights"], record["step"], record["finished"], record["total_steps"]) == ("model", 1, False, 8)
-    step1 = timm.create_model("deit_tiny_siamese_patch16_224", embed_dim=32, depth=2, num_heads=2, patch_size=7,
-                              img_size=28, num_classes=10).eval()
-    load_weights(step1, load_training_checkpoint(tmp_path / "paused" / "checkpoints" / "step_000000001.pt"), key="model")
+    checkpoint = load_training_checkpoint(tmp_path / "paused" / "checkpoints" / "step_000000001.pt")
+    step1 = tiny_deit(unwrap_state_dict(checkpoint, key="model"))
     assert torch.equal(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), step1(x))
     with pytest.raises(SystemExit) as exit_info:
         export_main(["--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")])
