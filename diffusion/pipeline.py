@@ -91,11 +91,12 @@ class DiTSamplingPipeline(DiffusionPipeline):
         transformer = to_diffusers_transformer(model) if spec.topology == "pre" else DiTModel.from_dit(model, spec)
         return cls(transformer, scheduler_for(spec), vae)
 
-    def save_pretrained(self, save_directory, **kwargs):
-        """diffusers' folder, plus the code that loads and runs it where this project is not installed: one module
-        file (:func:`write_remote_code`) named in ``model_index.json`` as the pipeline class and, unless the
-        transformer is diffusers' own, as the transformer's class."""
-        super().save_pretrained(save_directory, **kwargs)
+    def save_config(self, save_directory, *args, **kwargs):
+        """``model_index.json``, plus the code that loads and runs the folder where this project is not installed:
+        one module file (:func:`write_remote_code`) named there as the pipeline class and, unless the transformer is
+        diffusers' own, as the transformer's class. ``save_pretrained`` calls this last, before an upload
+        (``push_to_hub``), so every saved or pushed folder carries its code."""
+        super().save_config(save_directory, *args, **kwargs)
         write_remote_code(Path(save_directory), custom_transformer=not isinstance(self.transformer,
                                                                                    DiTTransformer2DModel))
 
