@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from common.durable import atomic_write_text
+from common.plots import color_for, plain_ticks, plot_series, pyplot
 from common.residual import ResidualBlock, SiameseFusion
 
 PathLike = Union[str, os.PathLike]
@@ -186,24 +187,14 @@ def grad_norm_trace(run_dir: PathLike) -> dict:
 
 # ----------------------------------------------------------------------------- plots and files
 
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (plots are written, never shown)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 _STREAM_NAMES = {"h": "", "x": " X (post-norm stream)", "y": " Y (pre-norm stream)"}
 
 
 def _plot_hidden_state_norms(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
         for stream, values in r["norms"].items():
-            ax.plot(r["layers"], values, marker="o", ms=3, label=f"{label}{_STREAM_NAMES.get(stream, stream)}",
-                    ls="--" if stream == "x" else "-")
+            plot_series(ax, r["layers"], values, label=f"{label}{_STREAM_NAMES.get(stream, stream)}",
+                        color=color_for(label), marker="o", ms=3, ls="--" if stream == "x" else "-")
     ax.set_xlabel("layer (0 = embedding, l = after block l)")
     ax.set_ylabel("mean token L2 norm")
     ax.set_yscale("log")
@@ -212,7 +203,7 @@ def _plot_hidden_state_norms(ax, results: Mapping[str, dict]) -> None:
 
 def _plot_layer_removal(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
-        ax.plot(r["layers"], r["loss_increase"], marker="o", ms=3, label=label)
+        plot_series(ax, r["layers"], r["loss_increase"], label=label, color=color_for(label), marker="o", ms=3)
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("dropped block")
     ax.set_ylabel("held-out loss increase")
@@ -222,8 +213,11 @@ def _plot_layer_removal(ax, results: Mapping[str, dict]) -> None:
 def _plot_stream_contribution(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
         pos = [b + s / 2 for b in r["layers"] for s in (0, 1)]  # attention at l, MLP at l + 0.5
-        ax.plot(pos, [v for pair in r["x_scale"] for v in pair], marker="o", ms=3, ls="--", label=f"{label} X (post_norm)")
-        ax.plot(pos, [v for pair in r["y_scale"] for v in pair], marker="s", ms=3, label=f"{label} Y (pre_norm)")
+        color = color_for(label)
+        plot_series(ax, pos, [v for pair in r["x_scale"] for v in pair], label=f"{label} X (post_norm)", color=color,
+                    marker="o", ms=3, ls="--")
+        plot_series(ax, pos, [v for pair in r["y_scale"] for v in pair], label=f"{label} Y (pre_norm)", color=color,
+                    marker="s", ms=3)
         out = max(pos) + 1.0
         ax.scatter([out], [r["output_x_scale"]], marker="D", color="black", label=f"{label} output norm_x")
         ax.scatter([out], [r["output_y_scale"]], marker="*", s=60, color="grey", label=f"{label} output norm_y")
@@ -234,8 +228,7 @@ def _plot_stream_contribution(ax, results: Mapping[str, dict]) -> None:
 
 def _plot_grad_norm(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
-        ax.plot(r["steps"], [v if math.isfinite(v) else float("nan") for v in r["grad_norm"]], label=label,
-                marker="o" if len(r["steps"]) < 3 else None, ms=4)  # a run with one logged point is a dot
+        plot_series(ax, r["steps"], r["grad_norm"], label=label, color=color_for(label), ms=4)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("global grad norm (window mean)")
     ax.set_yscale("log")
@@ -246,23 +239,29 @@ _PLOTS = {"hidden_state_norms": _plot_hidden_state_norms, "layer_removal": _plot
           "stream_contribution": _plot_stream_contribution, "grad_norm": _plot_grad_norm}
 
 
-def write_diagnostic(kind: str, results: Mapping[str, dict], out_dir: PathLike, title: str = "") -> Path:
-    """Write ``{label: result}`` of one diagnostic as ``out_dir/<kind>.json`` and ``out_dir/<kind>.png``."""
+def diagnostic_figure(kind: str, results: Mapping[str, dict], title: str = ""):
+    """The figure of one diagnostic, ``{label: result}`` overlaid (a label naming a topology gets its colour)."""
     if kind not in _PLOTS:
         raise ValueError(f"unknown diagnostic {kind!r}; valid: {', '.join(_PLOTS)}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_dir / f"{kind}.json", json.dumps(results, indent=1))
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0))
     _PLOTS[kind](ax, results)
     if title:
         ax.set_title(f"{ax.get_title()} -- {title}", fontsize=9)
     ax.grid(alpha=0.3)
+    plain_ticks(ax)
     if results:
         ax.legend(fontsize=6)
     fig.tight_layout()
+    return fig
+
+
+def write_diagnostic(kind: str, results: Mapping[str, dict], out_dir: PathLike, title: str = "") -> Path:
+    """Write ``{label: result}`` of one diagnostic as ``out_dir/<kind>.json`` and ``out_dir/<kind>.png``."""
+    fig = diagnostic_figure(kind, results, title)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / f"{kind}.json", json.dumps(results, indent=1))
     path = out_dir / f"{kind}.png"
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    pyplot().close(fig)
     return path

@@ -2,8 +2,9 @@
 
     # any topology: config.json (the model's description) + diffusion_pytorch_model.safetensors; DiTModel.from_pretrained
     python -m diffusion.export --checkpoint runs/dit_b2_siamese/ema.safetensors --out dit_b2_siamese --format hub
-    # a diffusers pipeline (model_index.json, transformer/, scheduler/, vae/): DiTSamplingPipeline.from_pretrained;
-    # a Pre-Norm DiT becomes diffusers' own DiTTransformer2DModel
+    # a diffusers pipeline (model_index.json, transformer/, scheduler/, vae/ and its own code), loaded anywhere with
+    # DiffusionPipeline.from_pretrained(DIR, trust_remote_code=True); a Pre-Norm DiT becomes diffusers' own
+    # DiTTransformer2DModel
     python -m diffusion.export --checkpoint runs/dit_b2_pre/ema.safetensors --out dit_b2_pre --format diffusers
     # and upload it (needs network access and `hf auth login`)
     python -m diffusion.export --checkpoint ... --out DIR --format hub --push-to-hub user/dit_b2_siamese
@@ -32,7 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", required=True, help="ema.safetensors / step_*.pt of diffusion.train, or a state dict")
     p.add_argument("--out", required=True, type=Path, help="folder to write")
     p.add_argument("--format", choices=FORMATS, default="hub",
-                   help="hub: DiTModel.save_pretrained (any topology); diffusers: a DiTSamplingPipeline folder")
+                   help="hub: DiTModel.save_pretrained (any topology; loads where this project is installed); "
+                        "diffusers: a DiTSamplingPipeline folder with its code, which loads without this project "
+                        "(DiffusionPipeline.from_pretrained(DIR, trust_remote_code=True))")
     p.add_argument("--weights", default=None, help="entry of a training checkpoint to export (default: ema)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload the folder to this Hub repository")
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")

@@ -6,15 +6,23 @@ variance; this pipeline steps with the variance the model learned, on ADM's resp
 (a Pre-Norm DiT, :func:`diffusion.hub.to_diffusers_transformer`) and for our :class:`~diffusion.hub.DiTModel` (any
 topology).
 
-    pipe = DiTSamplingPipeline.from_pretrained("exported")           # python -m diffusion.export --format diffusers
-    images = pipe([207, 360], num_inference_steps=250, generator=sample_generators(0, [0, 1])).images
+A saved pipeline folder carries its own code (:func:`write_remote_code`), so it loads where this project is not
+installed, as diffusers loads custom pipelines:
+
+    pipe = DiffusionPipeline.from_pretrained("exported", trust_remote_code=True)  # diffusion.export --format diffusers
+    images = pipe([207, 360], num_inference_steps=250, generator=torch.Generator().manual_seed(0)).images
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+import hashlib
+import importlib
+import json
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTransformer2DModel, ImagePipelineOutput
+from diffusers import (AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTransformer2DModel, ImagePipelineOutput,
+                       ModelMixin)
 
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
@@ -30,14 +38,49 @@ def scheduler_for(spec: DiTSpec) -> DDPMScheduler:
                          prediction_type="epsilon", clip_sample=False)
 
 
+REMOTE_CODE_PREFIX = "siamesenorm_dit"  # the shipped module is siamesenorm_dit_<hash of its text>.py
+
+
+def remote_code() -> Tuple[str, str]:
+    """``(module name, source)`` of the file a pipeline folder ships: :class:`DiTSamplingPipeline`, :class:`DiTModel`
+    and what they use, gathered from this project's modules (:func:`common.source_bundle.bundle_source`); run from
+    a shipped file, that file itself. The name carries a hash of the text: diffusers copies every local folder's code
+    into one cache directory by file name."""
+    if __name__ != "diffusion.pipeline":  # the shipped copy: it ships itself
+        return Path(__file__).stem, Path(__file__).read_text()
+    # imported by name, so that the shipped copy of this function does not carry the bundler
+    bundle_source = importlib.import_module("common.source_bundle").bundle_source
+    source = bundle_source([("diffusion.pipeline", "DiTSamplingPipeline"), ("diffusion.hub", "DiTModel")],
+                           title="A SiameseNorm DiT as a diffusers pipeline: DiTSamplingPipeline and DiTModel (any "
+                                 "topology)")
+    return f"{REMOTE_CODE_PREFIX}_{hashlib.sha256(source.encode()).hexdigest()[:12]}", source
+
+
+def write_remote_code(folder: Path, custom_transformer: bool) -> str:
+    """Ship the code in a saved pipeline folder, the way diffusers loads custom pipelines and components with
+    ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)``: the module at the folder's root names the
+    pipeline class (``model_index.json``'s ``_class_name``), a copy in ``transformer/`` the transformer's."""
+    name, source = remote_code()
+    (folder / f"{name}.py").write_text(source)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["_class_name"] = [name, "DiTSamplingPipeline"]
+    if custom_transformer:
+        (folder / "transformer" / f"{name}.py").write_text(source)
+        index["transformer"] = [name, "DiTModel"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return name
+
+
 class DiTSamplingPipeline(DiffusionPipeline):
     """A class-conditional DiT, its schedule (a ``DDPMScheduler`` config) and its VAE (None: pixel space)."""
 
     model_cpu_offload_seq = "transformer->vae"
     _optional_components = ["vae"]
 
-    def __init__(self, transformer: Union[DiTTransformer2DModel, DiTModel], scheduler: DDPMScheduler,
-                 vae: Optional[AutoencoderKL] = None):
+    def __init__(self, transformer: ModelMixin, scheduler: DDPMScheduler, vae: Optional[AutoencoderKL] = None):
+        """``transformer``: diffusers' ``DiTTransformer2DModel`` (a Pre-Norm DiT) or :class:`DiTModel` (any
+        topology; typed as their common base, since a folder's shipped code defines its own DiTModel class)."""
         super().__init__()
         if isinstance(transformer, DiTTransformer2DModel):
             exact_timesteps(transformer)
@@ -52,6 +95,15 @@ class DiTSamplingPipeline(DiffusionPipeline):
                                 "python -m diffusion.sample")
         transformer = to_diffusers_transformer(model) if spec.topology == "pre" else DiTModel.from_dit(model, spec)
         return cls(transformer, scheduler_for(spec), vae)
+
+    def save_config(self, save_directory, *args, **kwargs):
+        """``model_index.json``, plus the code that loads and runs the folder where this project is not installed:
+        one module file (:func:`write_remote_code`) named there as the pipeline class and, unless the transformer is
+        diffusers' own, as the transformer's class. ``save_pretrained`` calls this last, before an upload
+        (``push_to_hub``), so every saved or pushed folder carries its code."""
+        super().save_config(save_directory, *args, **kwargs)
+        write_remote_code(Path(save_directory), custom_transformer=not isinstance(self.transformer,
+                                                                                   DiTTransformer2DModel))
 
     def diffusion(self, steps: int, spacing: str) -> GaussianDiffusion:
         config, transformer = self.scheduler.config, self.transformer.config

@@ -12,11 +12,21 @@ names), a raw ImageNet-layout folder of ``count`` JPEGs of mixed sizes (smooth r
 
 Prints one JSON line per phase and writes ``timings.json``. Random weights make the numbers meaningless as
 quality measures; the work done (forwards, matrix roots, k-NN) is that of the real network.
+
+``--vs-torch-fidelity`` times instead the whole FID command beside torch-fidelity's own ``fidelity`` CLI on the same
+two folders of ``count`` 64x64 PNGs and the same weights file, each in a fresh process with one thread
+(``OMP_NUM_THREADS=1``), the two alternating run by run, and prints each run, both FIDs and the time ratio:
+
+    python -m scripts.bench_fid --out /tmp/bench_fid_tf --vs-torch-fidelity --count 1000 --rounds 3
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +68,85 @@ def write_inputs(out: Path, count: int, seed: int = 0) -> dict:
     return {"weights": weights, "raw": raw, "samples": samples}
 
 
+def write_png_folder(folder: Path, count: int, seed: int) -> Path:
+    """``count`` 64x64 PNGs of smooth random colour fields (what both FID commands read)."""
+    from PIL import Image
+
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        for i, image in enumerate(smooth_images(np.random.default_rng(seed), count, lambda i: (64, 64))):
+            Image.fromarray(image).save(folder / f"{i:06d}.png")
+    return folder
+
+
+def fid_commands(samples: Path, reference: Path, weights: Path, batch_size: int, result: Path) -> dict:
+    """The two commands a user runs for the FID of two folders: ours (its JSON result in ``result``) and
+    torch-fidelity's ``fidelity`` CLI."""
+    return {
+        "diffusion.fid": [sys.executable, "-m", "diffusion.fid", "--samples", str(samples), "--reference",
+                          str(reference), "--metrics", "fid", "--extractor-weights", str(weights), "--device", "cpu",
+                          "--num-workers", "0", "--batch-size", str(batch_size), "--quiet", "--out", str(result)],
+        "torch-fidelity": [sys.executable, "-m", "torch_fidelity.fidelity", "--input1", str(samples), "--input2",
+                           str(reference), "--fid", "--cpu", "--no-cache", "--feature-extractor-weights-path",
+                           str(weights), "--batch-size", str(batch_size), "--silent"],
+    }
+
+
+def torch_fidelity_fid(stdout: str) -> float:
+    """The FID ``fidelity --fid`` prints: ``frechet_inception_distance: 12.34567``."""
+    for line in stdout.splitlines():
+        if line.startswith("frechet_inception_distance:"):
+            return float(line.split(":")[1])
+    raise ValueError(f"torch-fidelity printed no FID: {stdout!r}")
+
+
+def ratio_summary(runs: dict) -> dict:
+    """Median seconds per command and torch-fidelity's over ours (above 1: ours is faster)."""
+    medians = {name: statistics.median(r["seconds"] for r in rows) for name, rows in runs.items()}
+    return {"median_s": medians, "torch_fidelity_over_ours": medians["torch-fidelity"] / medians["diffusion.fid"],
+            "torch_fidelity_over": {name: medians["torch-fidelity"] / m for name, m in medians.items()}}
+
+
+def vs_torch_fidelity(args) -> dict:
+    from diffusion.evaluation.features import INCEPTION_WEIGHTS_FILE, write_random_inception
+
+    weights = args.out / INCEPTION_WEIGHTS_FILE
+    if not weights.exists():
+        write_random_inception(weights)
+    samples = write_png_folder(args.out / "samples", args.count, seed=1)
+    reference = write_png_folder(args.out / "reference", args.count, seed=2)
+    result_file = args.out / "ours.json"
+    commands = fid_commands(samples, reference, weights, args.batch_size, result_file)
+    if args.adm_sqrtm:  # ADM's matrix root, what diffusion.fid computed before the eigenvalue trace
+        commands["diffusion.fid --frechet-method sqrtm"] = commands["diffusion.fid"] + ["--frechet-method", "sqrtm"]
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = {name: [] for name in commands}
+    for round_index in range(args.rounds):
+        order = list(commands) if round_index % 2 == 0 else list(commands)[::-1]
+        for name in order:
+            start = time.perf_counter()
+            done = subprocess.run(commands[name], env=env, capture_output=True, text=True, check=True)
+            seconds = time.perf_counter() - start
+            fid = (json.loads(result_file.read_text())["metrics"]["fid"] if name.startswith("diffusion.fid")
+                   else torch_fidelity_fid(done.stdout))
+            row = {"round": round_index, "seconds": seconds, "fid": fid}
+            runs[name].append(row)
+            print(json.dumps({"command": name, **row}), flush=True)
+    result = {"count": args.count, "threads": args.threads, "commands": {k: " ".join(v) for k, v in commands.items()},
+              "runs": runs, **ratio_summary(runs)}
+    for name, ratio in result["torch_fidelity_over"].items():
+        print(f"  {name}: median {result['median_s'][name]:.1f} s, torch-fidelity / it = {ratio:.2f}x")
+    print(f"FID of {args.count} vs {args.count} PNGs, {args.threads} thread(s), {args.rounds} alternating rounds: "
+          f"diffusion.fid {result['median_s']['diffusion.fid']:.1f} s, torch-fidelity "
+          f"{result['median_s']['torch-fidelity']:.1f} s (medians); torch-fidelity / diffusion.fid = "
+          f"{result['torch_fidelity_over_ours']:.2f}x; FID {runs['diffusion.fid'][0]['fid']:.6f} and "
+          f"{runs['torch-fidelity'][0]['fid']:.6f}", flush=True)
+    atomic_write_text(args.out / "vs_torch_fidelity.json", json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m scripts.bench_fid", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,8 +154,16 @@ def main(argv=None) -> dict:
     p.add_argument("--count", type=int, default=10000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=50)
+    p.add_argument("--vs-torch-fidelity", action="store_true",
+                   help="time the whole FID command beside torch-fidelity's `fidelity` CLI on the same images")
+    p.add_argument("--rounds", type=int, default=3, help="--vs-torch-fidelity: runs of each command, alternating")
+    p.add_argument("--adm-sqrtm", action="store_true",
+                   help="--vs-torch-fidelity: also time diffusion.fid --frechet-method sqrtm (ADM's matrix root)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.vs_torch_fidelity:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return vs_torch_fidelity(args)
 
     from diffusion.evaluation import Evaluator
     from diffusion import fid

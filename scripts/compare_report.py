@@ -174,11 +174,6 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
     return lines
 
 
-COLORS = {"pre": "tab:blue", "post": "tab:red", "siamese": "tab:green", "mixln": "tab:purple", "residual": "tab:orange",
-          "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive", "dyt": "tab:cyan",
-          "hc": "gold", "mhc": "darkgoldenrod", "attnres": "navy", "attnres_block": "slateblue"}
-
-
 def mean_curve(curves: Sequence[Sequence[tuple]]) -> List[tuple]:
     """``[(step, mean loss)]`` over the runs that logged each step (non-finite values left out)."""
     by_step: Dict[int, list] = {}
@@ -189,36 +184,42 @@ def mean_curve(curves: Sequence[Sequence[tuple]]) -> List[tuple]:
     return [(step, statistics.fmean(v)) for step, v in sorted(by_step.items())]
 
 
-def plot_loss_curves(results: Sequence[dict], path: Path) -> None:
-    """One panel per (depth, lr): every run as a thin line coloured by topology, the mean over its seeds thick
-    (non-finite points are gaps; a curve of one logged point is a dot)."""
-    from common.diagnostics import pyplot
+def loss_curves_figure(results: Sequence[dict]):
+    """One panel per (depth, lr): every run as a thin line coloured by topology (common.plots), the mean over its
+    seeds thick (non-finite points are gaps; a curve of one logged point is a dot with its value)."""
+    from common.plots import TOPOLOGY_COLORS, plain_ticks, plot_series, pyplot
 
-    plt = pyplot()
     settings = sorted({(r["depth"], r["lr"]) for r in results})
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), squeeze=False)
     for ax, (depth, lr) in zip(axes[0], settings):
         runs = [r for r in results if (r["depth"], r["lr"]) == (depth, lr) and r["loss_curve"]]
         for topo in sorted({r["topology"] for r in runs}):
             mine = [r["loss_curve"] for r in runs if r["topology"] == topo]
-            color = COLORS.get(topo)
+            color = TOPOLOGY_COLORS.get(topo)
             for curve in mine:
                 steps, losses = zip(*curve)
-                ax.plot(steps, [v if math.isfinite(v) else float("nan") for v in losses], lw=0.6, alpha=0.35,
-                        color=color, marker="o" if len(curve) == 1 else None, ms=3)
+                plot_series(ax, steps, losses, color=color, lw=0.6, alpha=0.35, ms=3)
             mean = mean_curve(mine)
             if mean:
                 steps, losses = zip(*mean)
-                ax.plot(steps, losses, lw=1.8, color=color, marker="o" if len(mean) == 1 else None, ms=4,
-                        label=f"{topo} (mean of {len(mine)})" if len(mine) > 1 else topo)
+                plot_series(ax, steps, losses, color=color, lw=1.8, ms=4,
+                            label=f"{topo} (mean of {len(mine)})" if len(mine) > 1 else topo)
         ax.set_title(f"depth {depth}, lr {lr:g}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+        plain_ticks(ax)
     fig.tight_layout()
+    return fig
+
+
+def plot_loss_curves(results: Sequence[dict], path: Path) -> None:
+    from common.plots import pyplot
+
+    fig = loss_curves_figure(results)
     fig.savefig(path, dpi=80)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def identical_value_notes(summary: Dict[tuple, dict], label: str, task: str) -> List[str]:
@@ -374,7 +375,7 @@ def _paired(by_seed: Dict[int, float], base: Dict[int, float]) -> List[float]:
 def plot_distance_curves(results: Sequence[dict], path: Path) -> None:
     """The in-training distance against the step: every run thin, the mean over seeds thick, one line style per
     objective and one colour per topology."""
-    from common.diagnostics import pyplot
+    from common.plots import TOPOLOGY_COLORS, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -385,10 +386,10 @@ def plot_distance_curves(results: Sequence[dict], path: Path) -> None:
             curves = [r["fid_curve"] for r in results if r.get("fid_curve") and r["topology"] == topo
                       and r.get("objective", "ddpm") == objective]
             for curve in curves:
-                ax.plot(*zip(*curve), lw=0.5, alpha=0.3, ls=style, color=COLORS.get(topo))
+                ax.plot(*zip(*curve), lw=0.5, alpha=0.3, ls=style, color=TOPOLOGY_COLORS.get(topo))
             mean = mean_curve(curves)
             if mean:
-                ax.plot(*zip(*mean), lw=1.8, ls=style, marker="o", ms=3, color=COLORS.get(topo),
+                ax.plot(*zip(*mean), lw=1.8, ls=style, marker="o", ms=3, color=TOPOLOGY_COLORS.get(topo),
                         label=f"{objective} {topo} (mean of {len(curves)})")
     ax.set_xlabel("training step")
     ax.set_ylabel("Frechet distance (fmnist-cnn)")

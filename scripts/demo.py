@@ -126,27 +126,34 @@ def print_table(rows: list) -> None:
               f"{r['images_per_s']:>13.1f}{r['wall_s']:>9.1f}")
 
 
-def plot_curves(curves: dict, path: Path) -> None:
-    """One panel per family (labels start with the family name): their losses live on different scales."""
-    from common.diagnostics import pyplot
-
-    plt = pyplot()
+def loss_figure(curves: dict):
+    """One panel per family (labels start with the family name): their losses live on different scales. Each
+    topology in its colour (common.plots)."""
+    from common.plots import color_for, plain_ticks, plot_series, pyplot
 
     families = sorted({label.split()[0] for label in curves})
-    fig, axes = plt.subplots(1, len(families), figsize=(6 * len(families), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(families), figsize=(6 * len(families), 4), squeeze=False)
     for ax, family in zip(axes[0], families):
         for label, points in curves.items():
             if label.split()[0] == family and points:
                 steps, losses = zip(*points)
-                ax.plot(steps, losses, label=label)
+                plot_series(ax, steps, losses, label=label, color=color_for(label))
         ax.set_title(family)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss")
         ax.legend()
         ax.grid(alpha=0.3)
+        plain_ticks(ax)
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(curves: dict, path: Path) -> None:
+    from common.plots import pyplot
+
+    fig = loss_figure(curves)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def main(argv=None) -> list:

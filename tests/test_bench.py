@@ -120,3 +120,21 @@ def test_floor_pins_pin_every_dependency_to_its_floor():
     assert floor_pins('dependencies = [\n    "a>=1.2, <2",  # note\n    "b>=3; python_version < \'3.12\'",\n]\n') \
         == ["a==1.2", "b==3; python_version < '3.12'"]
     assert Path(ROOT / "Makefile").read_text().count("scripts/floor_pins.py") == 1
+
+
+def test_bench_fid_against_torch_fidelity_runs_both_commands_on_the_same_inputs(tmp_path):
+    """What --vs-torch-fidelity computes: the two commands read the same folders and weights, the FIDs are parsed
+    from what each prints, and the ratio is of the medians (no timing is asserted)."""
+    from scripts.bench_fid import fid_commands, ratio_summary, torch_fidelity_fid
+
+    commands = fid_commands(tmp_path / "a", tmp_path / "b", tmp_path / "w.pth", 50, tmp_path / "ours.json")
+    ours, theirs = commands["diffusion.fid"], commands["torch-fidelity"]
+    for path in ("a", "b", "w.pth"):
+        assert str(tmp_path / path) in ours and str(tmp_path / path) in theirs
+    assert ours[ours.index("--metrics") + 1] == "fid" and "--fid" in theirs and "--no-cache" in theirs
+    assert torch_fidelity_fid("Warning: x\nfrechet_inception_distance: 12.345678\n") == 12.345678
+    runs = {"diffusion.fid": [{"seconds": 10.0}, {"seconds": 30.0}, {"seconds": 12.0}],
+            "torch-fidelity": [{"seconds": 18.0}, {"seconds": 24.0}, {"seconds": 20.0}]}
+    summary = ratio_summary(runs)
+    assert summary["median_s"] == {"diffusion.fid": 12.0, "torch-fidelity": 20.0}
+    assert summary["torch_fidelity_over_ours"] == pytest.approx(20.0 / 12.0)

@@ -8,6 +8,7 @@ Inception forward and the matrix square roots cheap on CPU; the code path is the
 distance itself is the Frechet distance tested on hand-made features in test_metrics.py.
 """
 import json
+import os
 import shutil
 
 import numpy as np
@@ -15,10 +16,11 @@ import pytest
 import torch
 import torch_fidelity
 from PIL import Image
+from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
 import diffusion.evaluation.evaluator as metrics
-from diffusion.evaluation.features import (INCEPTION_WEIGHTS_FILE, InceptionV3WithSpatial, build_feature_extractor,
-                                       write_random_inception)
+from diffusion.evaluation.features import (INCEPTION_WEIGHTS_FILE, FeatureExtractorError, InceptionV3WithSpatial,
+                                           build_feature_extractor, file_sha256, write_random_inception)
 from diffusion.evaluation.images import read_sampling_protocol
 from diffusion.evaluation.metrics import FeatureStatistics
 from diffusion import fid as fid_cli
@@ -85,6 +87,31 @@ def test_adm_statistics_path_equals_torch_fidelity(tmp_path, inception_weights):
     direct = run_cli("--samples", samples, "--reference", reference, "--extractor-weights", inception_weights,
                      "--feature-layer", LAYER, "--metrics", "fid")
     assert direct["metrics"]["fid"] == pytest.approx(theirs, rel=1e-5)
+
+
+def test_every_long_wait_says_so_and_adms_sqrtm_is_a_switch(tmp_path, inception_weights, capsys):
+    """Without --quiet: a line on stderr before reading the reference, loading the extractor and each Frechet
+    distance, a bar over the precision/recall distances; stdout holds only the JSON. --frechet-method sqrtm runs
+    ADM's square root, the same number, and the protocol says which ran."""
+    samples = write_folder(tmp_path / "samples", seed=0, n=6, size=16)
+    reference = write_folder(tmp_path / "reference", seed=1, n=6, size=16, smooth=True)
+    args = ["--samples", str(samples), "--reference", str(reference), "--extractor-weights", str(inception_weights),
+            "--feature-layer", LAYER, "--metrics", "fid,pr", "--device", "cpu", "--num-workers", "0"]
+    capsys.readouterr()
+    fast = fid_cli.main(args)
+    out, err = capsys.readouterr()
+    assert json.loads(out)["metrics"] == fast["metrics"]
+    for line in (f"reading the reference {reference}", "loading the inception-v3-compat feature extractor",
+                 "fid: Frechet distance of 64-d statistics (eigh) ...", "precision/recall distances"):
+        assert line in err, (line, err)
+    assert fast["protocol"]["frechet_method"] == "eigh"
+    adm = fid_cli.main(args + ["--frechet-method", "sqrtm", "--quiet"])
+    assert adm["protocol"]["frechet_method"] == "sqrtm" and "sqrtm" in adm["protocol"]["frechet_distance"]
+    assert adm["metrics"]["fid"] == pytest.approx(fast["metrics"]["fid"], rel=1e-6)
+    assert "Frechet" not in capsys.readouterr().err  # --quiet: no progress
+    with pytest.raises(SystemExit) as exit_info:
+        fid_cli.main(args + ["--frechet-method", "svd"])
+    assert exit_info.value.code == 2 and "--frechet-method" in capsys.readouterr().err
 
 
 def test_inception_weights_from_torch_fidelity_cache_or_clear_error(tmp_path, monkeypatch, inception_weights):
@@ -207,11 +234,11 @@ def test_dit_metric_set_in_one_pass_against_a_raw_folder_reference(tmp_path, inc
     monkeypatch.setattr(InceptionV3WithSpatial, "forward",
                         lambda self, x: (seen.append(len(x)), real_forward(self, x))[1])
 
-    def frechet_or_record(mu1, sigma1, mu2, sigma2):  # the 2023-d square root would take minutes here
+    def frechet_or_record(mu1, sigma1, mu2, sigma2, **options):  # the 2023-d statistics are checked below
         if len(mu1) > 64:
             sfid_args.append((mu1, sigma1, mu2, sigma2))
             return -1.0
-        return real_frechet(mu1, sigma1, mu2, sigma2)
+        return real_frechet(mu1, sigma1, mu2, sigma2, **options)
 
     monkeypatch.setattr(metrics, "frechet_distance", frechet_or_record)
     result = run_cli("--samples", tmp_path / "samples.npz", "--reference", tmp_path / "ref.npz",
@@ -251,6 +278,32 @@ def test_dit_metric_set_in_one_pass_against_a_raw_folder_reference(tmp_path, inc
                   "--extractor-weights", inception_weights, "--feature-layer", LAYER)["metrics"]
     assert sum(seen) == 6 + 4
     assert adm == pytest.approx({k: m[k] for k in ("fid", "precision", "recall")}, rel=1e-6)
+
+
+def test_inception_file_is_unpickled_once_and_only_as_plain_tensors(inception_weights, monkeypatch, tmp_path):
+    """The weights file goes through torch.load once, with weights_only=True; torch-fidelity's constructor (which
+    unpickles with weights_only=False) gets those tensors re-saved in memory, never the file; a wrong file is one
+    clear error before any network is built."""
+    real_load, calls = torch.load, []
+
+    def recording_load(f, *args, **kwargs):
+        calls.append((str(f) if isinstance(f, (str, bytes, os.PathLike)) else type(f).__name__,
+                      kwargs.get("weights_only")))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    extractor = build_feature_extractor("inception-v3-compat", ["2048"], weights=inception_weights)
+    from_file = [weights_only for source, weights_only in calls if source == str(inception_weights)]
+    assert from_file == [True], calls
+    assert all(weights_only for source, weights_only in calls if source != "BytesIO"), calls
+    assert extractor.weights_sha256 == file_sha256(inception_weights)
+    theirs = FeatureExtractorInceptionV3("x", ["2048"], feature_extractor_weights_path=str(inception_weights))
+    for (name, ours), (_, reference) in zip(extractor.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(ours, reference), name
+    monkeypatch.setattr(torch, "load", real_load)
+    torch.save({"fc.weight": torch.zeros(10, 2048)}, tmp_path / "wrong.pth")
+    with pytest.raises(FeatureExtractorError, match="is not torch-fidelity's Inception-v3"):
+        build_feature_extractor("inception-v3-compat", ["2048"], weights=tmp_path / "wrong.pth")
 
 
 def test_spatial_extension_leaves_torch_fidelitys_layers_unchanged(inception_weights):

@@ -1,5 +1,6 @@
 """make gpu-check: a clear error without a GPU, the same code on tiny models on the CPU, and its figures unbiased."""
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def tiny_run(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
     results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "step_time", "host_syncs", "data_feed", "sampling",
-                              "--budget-s", "400", "--out", str(out)])
+                              "--budget-s", "1200", "--out", str(out)])
     return results, json.loads(out.read_text())
 
 
@@ -102,3 +103,106 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
                               "--out", str(tmp_path / "x.json")])
     assert results["parts"]["sampling"]["status"] == "failed" and "diffusers" in results["parts"]["sampling"]["reason"]
     assert results["parts"]["data_feed"]["status"] == "done" and results["data_feed"]["images_per_s"] > 0
+
+
+class SteppedClock:
+    """A clock the parts below move by the durations they declare (the plan's decisions, not the machine's speed)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_plan_skips_by_measured_durations_once_a_piece_has_run(tmp_path):
+    clock, ran, saves = SteppedClock(), [], []
+    plan = gpu_check.Plan(200, tiny=False, clock=clock)
+
+    def part(name, seconds):
+        def run():
+            ran.append(name)
+            clock.now += seconds
+            return {"ran": name}
+        return run
+
+    jobs = {  # guesses: host_syncs 45 s, sampling 45 s, data_feed 30 s
+        "a": ("host_syncs", False, part("a", 60)),   # fits its guess; measured 60
+        "b": ("host_syncs", False, part("b", 90)),   # expected 60 (measured) <= 140 left; takes 90
+        "c": ("host_syncs", False, part("c", 1)),    # expected 90 (the longest measured) > 50 left: skipped
+        "d": ("sampling", False, part("d", 1)),      # never ran: 45 x (150 / 90 measured over guessed) = 75 > 50
+        "e": ("data_feed", False, part("e", 10)),    # 30 x 150 / 90 = 50 <= 50: runs
+    }
+    results = {}
+    gpu_check.run_parts(list(jobs), jobs, plan, results, lambda: saves.append(dict(results["parts"])))
+    parts = results["parts"]
+    assert ran == ["a", "b", "e"] and [parts[k]["status"] for k in "abcde"] == ["done"] * 2 + ["skipped"] * 2 + ["done"]
+    assert parts["c"]["reason"] == "budget: needs about 90 s (measured), 50 s left"
+    assert parts["d"]["reason"] == "budget: needs about 75 s (estimated), 50 s left"
+    assert plan.measured == {"host_syncs": [60.0, 90.0], "data_feed": [10.0]}
+    assert results["e"] == {"ran": "e"} and len(saves) == 5 and saves[-1] == parts  # written after every part
+
+
+def test_a_part_still_running_at_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
+    """The budget holds whatever the guesses: the part running at its end is stopped (SIGALRM), recorded as
+    stopped, and nothing starts after it."""
+    import threading
+
+    plan = gpu_check.Plan(10.0, tiny=False)  # stopped at 10 - 5 s of reserve; the watchdog would come 2.5 s later
+    plan.record("data_feed", 0.01)  # measured short: it fits
+
+    def never_ends():
+        threading.Event().wait()
+
+    jobs = {"quick": ("data_feed", False, lambda: {"done": True}), "stuck": ("data_feed", False, never_ends),
+            "after": ("data_feed", False, lambda: {"done": True})}
+    results, ended = {}, []
+    gpu_check.run_parts(list(jobs), jobs, plan, results, lambda: None, end=ended.append)
+    assert ended == []  # the signal stopped the part; the watchdog had nothing to do
+    parts = results["parts"]
+    assert parts["quick"]["status"] == "done" and results["quick"] == {"done": True}
+    assert parts["stuck"]["status"] == "stopped" and "stopped after" in parts["stuck"]["reason"]
+    assert parts["after"] == {"status": "skipped", "reason": "budget: spent (a part was stopped at the budget)"}
+    assert "after" not in results and plan.spent and not plan.in_part
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the timer is disarmed after the parts
+
+
+STUCK_IN_ONE_CALL = """
+import json, signal, sys, time
+from pathlib import Path
+from scripts import gpu_check
+
+plan = gpu_check.Plan(8.0, tiny=False)  # the signal at 8 - 5 s of reserve, the watchdog at 5.5 s
+plan.record("data_feed", 0.01)
+results, out = {}, Path(sys.argv[1])
+
+def inside_one_call():  # as a C call that does not return: the signal's Python handler never runs in it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(10_000)
+
+jobs = {"quick": ("data_feed", False, lambda: {"done": True}), "stuck": ("data_feed", False, inside_one_call),
+        "after": ("data_feed", False, lambda: {"done": True})}
+gpu_check.run_parts(list(jobs), jobs, plan, results, lambda: out.write_text(json.dumps(results)))
+print("not reached")
+"""
+
+
+def test_a_part_inside_one_call_at_the_budget_ends_the_process_with_its_results_written(tmp_path):
+    """Python cannot interrupt a long C call: the watchdog records the part as stopped, skips the rest, writes the
+    results and ends the process (exit 0), in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", STUCK_IN_ONE_CALL, str(tmp_path / "r.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "not reached" not in done.stdout, done.stderr[-2000:]
+    parts = json.loads((tmp_path / "r.json").read_text())["parts"]
+    assert parts["quick"]["status"] == "done"
+    assert parts["stuck"]["status"] == "stopped" and "still inside one call" in parts["stuck"]["reason"]
+    assert parts["after"]["status"] == "skipped"
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--out", "--only", "--budget-s", "--sync-warmup", "--compiled-step-time", "--allow-cpu", "--tiny"):
+        assert flag in text, flag

@@ -12,7 +12,7 @@ from diffusion.export import main as export_main
 from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
 from diffusion.checkpoints import load_dit
 from diffusion.spec import DiTSpec
-from diffusion.pipeline import DiTSamplingPipeline
+from diffusion.pipeline import DiTSamplingPipeline, remote_code
 from diffusion.sample import main as sample_main
 from diffusion.sampling import model_fn_for, sample_generators, sample_loop
 
@@ -90,10 +90,13 @@ def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_pat
     ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata(step=3))
     export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "pipe"), "--format", "diffusers", "--quiet"])
     index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
-    assert index["_class_name"] == "DiTSamplingPipeline" and index["vae"] == ["diffusers", "AutoencoderKL"]
+    shipped, _ = remote_code()  # the module file the folder carries (the pipeline class and DiTModel)
+    assert index["_class_name"] == [shipped, "DiTSamplingPipeline"] and index["vae"] == ["diffusers", "AutoencoderKL"]
     assert index["transformer"] == (["diffusers", "DiTTransformer2DModel"] if topology == "pre"
-                                    else ["diffusion.hub", "DiTModel"])
-    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe")
+                                    else [shipped, "DiTModel"])
+    assert (tmp_path / "pipe" / f"{shipped}.py").is_file()
+    assert (tmp_path / "pipe" / "transformer" / f"{shipped}.py").is_file() == (topology != "pre")
+    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe", trust_remote_code=True)
     labels, seed = [0, 1, 2, 3], 7  # the classes diffusion.sample --num-samples 4 gives samples 0..3
     got = pipe(labels, num_inference_steps=4, guidance_scale=cfg_scale, generator=sample_generators(seed, range(4)),
                output_type="latent").images
@@ -112,11 +115,80 @@ def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_pat
     assert np.abs(quantised - ours["arr_0"]).max() <= 1 and ours["arr_0"].std() > 5
 
 
+ISOLATED_LOAD = """
+import importlib.util, json, sys
+import numpy as np, torch
+missing = [name for name in ("diffusion", "common") if importlib.util.find_spec(name) is not None]
+assert not missing, f"the project is importable here: {missing} on {sys.path}"
+from diffusers import DiffusionPipeline
+for case in json.loads(sys.argv[1]):
+    pipe = DiffusionPipeline.from_pretrained(case["folder"], trust_remote_code=True)
+    out = pipe(case["labels"], num_inference_steps=4, guidance_scale=case["cfg"],
+               generator=torch.Generator().manual_seed(case["seed"]), output_type="latent").images
+    np.save(case["folder"] + "_latents.npy", out.numpy())
+    if pipe.vae is not None:
+        images = pipe(case["labels"], num_inference_steps=4, guidance_scale=case["cfg"],
+                      generator=torch.Generator().manual_seed(case["seed"]), output_type="pt").images
+        np.save(case["folder"] + "_images.npy", images.numpy())
+    print(case["topology"], type(pipe).__module__, type(pipe.transformer).__name__, flush=True)
+"""
+
+
+def test_diffusers_export_loads_and_samples_where_the_project_is_not_installed(tmp_path):
+    """Every topology exported with --format diffusers, copied elsewhere and loaded by a fresh interpreter that
+    cannot import this project (-S: no .pth files, only site-packages on the path) with
+    DiffusionPipeline.from_pretrained(folder, trust_remote_code=True): its latents (and, through a VAE, its images)
+    equal the in-project model's on the same noise."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    from diffusion.models import DIT_TOPOLOGIES
+
+    vae = tiny_vae(tmp_path / "vae")
+    exported, cases, expected = tmp_path / "exported", [], {}
+    elsewhere = tmp_path / "elsewhere"
+    for i, topology in enumerate(DIT_TOPOLOGIES):
+        latent = topology == "siamese"  # one through a VAE, the rest in pixel space
+        model, spec = tiny_dit(topology, in_channels=4 if latent else 3,
+                               **({"autoencoder": str(vae)} if latent else {}))
+        ckpt = save_weights(model, tmp_path / f"{topology}.safetensors", metadata=spec.metadata())
+        export_main(["--checkpoint", str(ckpt), "--out", str(exported / topology), "--format", "diffusers", "--quiet"])
+        labels, cfg, seed = [0, 3, 4], (2.0 if i % 2 else 1.0), 10 + i
+        stream = int(torch.randint(2 ** 32, (1,), generator=torch.Generator().manual_seed(seed)))  # as the pipeline
+        fn = model_fn_for(model, torch.tensor(labels), cfg)
+        latents = sample_loop(fn, spec.diffusion(sampling_steps=4), sample_generators(stream, range(3)), spec.shape)
+        assert latents.abs().max() > 0.1
+        expected[topology] = latents
+        if latent:
+            decoded = AutoencoderKL.from_pretrained(vae).decode(latents / 0.18215).sample
+            expected[topology + " images"] = (decoded / 2 + 0.5).clamp(0, 1)
+        cases.append({"folder": str(elsewhere / topology), "topology": topology, "labels": labels, "cfg": cfg,
+                      "seed": seed})
+    shutil.copytree(exported, elsewhere)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1",  # the arithmetic of this process (one thread), so the sums round alike
+           "PYTHONPATH": sysconfig.get_paths()["purelib"]}  # site-packages alone: no project, no editable install
+    done = subprocess.run([sys.executable, "-S", "-c", ISOLATED_LOAD, json.dumps(cases)], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    for topology in DIT_TOPOLOGIES:
+        line = next(line for line in lines if line.startswith(topology + " "))
+        assert line.split()[1].startswith("diffusers_modules.local.siamesenorm_dit_"), line
+        assert line.split()[2] == ("DiTTransformer2DModel" if topology == "pre" else "DiTModel"), line
+        got = torch.from_numpy(np.load(elsewhere / f"{topology}_latents.npy"))
+        torch.testing.assert_close(got, expected[topology], atol=1e-5, rtol=1e-5)
+    got = torch.from_numpy(np.load(elsewhere / "siamese_images.npy"))
+    torch.testing.assert_close(got, expected["siamese images"], atol=1e-5, rtol=1e-5)
+
+
 def test_pixel_pipeline_has_no_vae_and_ddim_is_offered(tmp_path):
     model, spec = tiny_dit("siamese")
     ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata())
     export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "pipe"), "--format", "diffusers", "--quiet"])
-    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe")
+    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe", trust_remote_code=True)
     assert pipe.vae is None and pipe.scheduler.config.variance_type == "learned_range"
     got = pipe([1, 2], num_inference_steps=10, sampler="ddim", eta=0.5, generator=sample_generators(0, [0, 1]),
                output_type="latent").images

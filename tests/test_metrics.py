@@ -71,6 +71,14 @@ def test_frechet_distance_near_singular_covariances_are_finite():
     assert np.isfinite(fd) and fd == pytest.approx(theirs["frechet_inception_distance"], rel=1e-4)
 
 
+def test_a_set_against_itself_is_never_negative():
+    """The rounding of ``tr + tr - 2 tr sqrt`` is negative about half the time (-2.5e-7 printed as a FID): clamped."""
+    for seed in range(20):
+        s = FeatureStatistics.from_features(fixed_features(seed, n=200, d=64))
+        for method in ("eigh", "sqrtm"):
+            assert 0.0 <= frechet_distance(s.mu, s.sigma, s.mu, s.sigma, method=method) < 1e-9, (seed, method)
+
+
 def test_frechet_distance_rejects_mismatched_or_nan_statistics():
     s = random_spd(4, 0)
     with pytest.raises(MetricsError, match="same feature extractor"):
@@ -79,6 +87,46 @@ def test_frechet_distance_rejects_mismatched_or_nan_statistics():
         frechet_distance(np.full(4, np.nan), s, np.zeros(4), s)
     with pytest.raises(MetricsError, match="at least 2"):
         FeatureStatistics.from_features(np.zeros((1, 4)))
+
+
+def inception_sized_features(seed, n=3000, d=2048, shift=0.0):
+    """``n`` feature vectors shaped like Inception's pool features: non-negative-ish means, a covariance spectrum
+    decaying as 1/k in a random basis (the shared ``basis``), a second set rescaled and shifted."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((n, d), dtype=np.float32) * (1.0 / np.sqrt(np.arange(1, d + 1, dtype=np.float32)))
+    return z @ INCEPTION_SIZED_BASIS.T * np.float32(1.0 + shift) + np.float32(0.4 + shift)
+
+
+INCEPTION_SIZED_BASIS = np.linalg.qr(np.random.default_rng(99).standard_normal((256, 256)))[0].astype(np.float32)
+INCEPTION_SIZED_BASIS = np.kron(np.eye(8, dtype=np.float32), INCEPTION_SIZED_BASIS)  # 2048-d, 8 rotated blocks
+
+
+@pytest.fixture(scope="module")
+def inception_sized_statistics():
+    a, b = inception_sized_features(0), inception_sized_features(1, shift=0.05)
+    return FeatureStatistics.from_features(a), FeatureStatistics.from_features(b)
+
+
+def test_frechet_distance_fast_trace_equals_adms_sqrtm_on_inception_sized_statistics(inception_sized_statistics):
+    """The default trace (symmetric eigenvalues, float64) against ADM's scipy.linalg.sqrtm formula and torch-fidelity's
+    eigenvalues of the product, on 2048-d statistics of 3,000 vectors each; a set against itself is not negative."""
+    s, t = inception_sized_statistics
+    fast = frechet_distance(s.mu, s.sigma, t.mu, t.sigma)
+    adm = frechet_distance(s.mu, s.sigma, t.mu, t.sigma, method="sqrtm")
+    assert adm > 1.0 and fast == pytest.approx(adm, rel=1e-6)
+    theirs = fid_statistics_to_metric({"mu": s.mu, "sigma": s.sigma}, {"mu": t.mu, "sigma": t.sigma}, False)
+    assert fast == pytest.approx(theirs["frechet_inception_distance"], rel=1e-6)
+    for method in ("eigh", "sqrtm"):  # a set against itself: rounding, never below 0
+        assert 0.0 <= frechet_distance(s.mu, s.sigma, s.mu, s.sigma, method=method) < 1e-9
+    # fewer vectors than dimensions (singular covariances: no Cholesky factor, the eigh one), the same distance
+    few = FeatureStatistics.from_features(inception_sized_features(2, n=100)[:, :256])
+    other = FeatureStatistics.from_features(inception_sized_features(3, n=120, shift=0.1)[:, :256])
+    with pytest.raises(np.linalg.LinAlgError):
+        np.linalg.cholesky(few.sigma)
+    assert frechet_distance(few.mu, few.sigma, other.mu, other.sigma) == pytest.approx(
+        frechet_distance(few.mu, few.sigma, other.mu, other.sigma, method="sqrtm"), rel=1e-6)
+    with pytest.raises(MetricsError, match="choose one of eigh, sqrtm"):
+        frechet_distance(s.mu, s.sigma, t.mu, t.sigma, method="svd")
 
 
 def test_statistics_file_roundtrip_and_adm_layout(tmp_path):

@@ -22,6 +22,10 @@ from vision.augment import AugmentConfig, NormalizeErase, build_mixup, build_tra
 from vision.deit import ModelConfig, build_model
 from vision.evaluate import evaluate
 
+# What a DeiT run reports (final_metrics.json, the demo, the studies): the raw model's Top-1, as DeiT's recipe does;
+# the EMA's is logged alongside as val_ema/top1. vision.export exports these weights unless told otherwise.
+REPORTED_METRIC, REPORTED_WEIGHTS = "val/top1", "model"
+
 
 @dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):

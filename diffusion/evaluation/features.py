@@ -19,6 +19,7 @@ image set (:func:`extract_features`).
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -65,9 +66,9 @@ def fmnist_weights_path() -> Path:
     return cache_dir() / FMNIST_WEIGHTS_FILE
 
 
-def _check_inception_file(path: Path) -> None:
-    """Read the file as plain tensors first: a clear error for a wrong file, and no pickle code runs from it
-    before torch-fidelity's own (``weights_only=False``) load."""
+def read_inception_weights(path: Path) -> Dict[str, torch.Tensor]:
+    """The Inception state dict, read once as plain tensors (``weights_only=True``: no code in the file runs), and
+    checked to be torch-fidelity's Inception-v3 (a clear error for a wrong file)."""
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure means "not a plain state dict file"
@@ -82,16 +83,18 @@ def _check_inception_file(path: Path) -> None:
             f"{path} is not torch-fidelity's Inception-v3 (expected a state dict with fc.weight of shape "
             f"(1008, 2048)). Use {INCEPTION_WEIGHTS_FILE} from {URL_INCEPTION_V3}."
         )
+    return state_dict
 
 
-def resolve_weights(name: str, weights: Optional[PathLike] = None, option: str = "--extractor-weights") -> Optional[Path]:
-    """The weights file for extractor ``name``: ``weights`` if given, else its default location; must exist.
-    ``option`` is how the caller's user passes a weights file (named in the error)."""
+def weights_path(name: str, weights: Optional[PathLike] = None, option: str = "--extractor-weights") -> Optional[Path]:
+    """The weights file for extractor ``name``: ``weights`` if given, else its default location; must exist (None:
+    an extractor that finds its own). ``option`` is how the caller's user passes a weights file (named in the error)."""
     if weights is not None:
         path = Path(weights).expanduser()
         if not path.is_file():
             raise FeatureExtractorError(f"feature extractor weights file {str(path)!r} ({option}) does not exist")
-    elif name == INCEPTION:
+        return path
+    if name == INCEPTION:
         path = inception_cache_path()
         if not path.is_file():
             raise FeatureExtractorError(
@@ -99,7 +102,8 @@ def resolve_weights(name: str, weights: Optional[PathLike] = None, option: str =
                 f"with internet, fetch {URL_INCEPTION_V3} and either copy it to {path} (torch-fidelity's cache; "
                 f"the directory follows $TORCH_HOME) or pass its path with {option}."
             )
-    elif name == FMNIST:
+        return path
+    if name == FMNIST:
         path = fmnist_weights_path()
         if not path.is_file():
             raise FeatureExtractorError(
@@ -107,10 +111,16 @@ def resolve_weights(name: str, weights: Optional[PathLike] = None, option: str =
                 f"`python -m scripts.train_fmnist_classifier` (writes that file; ${CACHE_ENV} moves the cache), "
                 f"or pass a path with {option}."
             )
-    else:
-        return None  # another torch-fidelity extractor: it finds (or downloads) its own weights
+        return path
+    return None  # another torch-fidelity extractor: it finds (or downloads) its own weights
+
+
+def resolve_weights(name: str, weights: Optional[PathLike] = None, option: str = "--extractor-weights") -> Optional[Path]:
+    """:func:`weights_path`, and for Inception the file's contents checked: what a command checks before it starts
+    work that ends in a FID."""
+    path = weights_path(name, weights, option)
     if name == INCEPTION:
-        _check_inception_file(path)
+        read_inception_weights(path)
     return path
 
 
@@ -165,6 +175,17 @@ class InceptionV3WithSpatial(FeatureExtractorInceptionV3):
         if metric == "sfid":
             return SPATIAL_LAYER
         return FeatureExtractorInceptionV3.get_default_feature_layer_for_metric(metric)
+
+    def __init__(self, name, features_list, state_dict: Optional[Dict[str, torch.Tensor]] = None, **kwargs):
+        """``state_dict``: the weights as tensors (:func:`read_inception_weights`). torch-fidelity's constructor
+        takes its weights only as a file, which it unpickles with ``weights_only=False``; it gets these tensors
+        re-saved in memory, so nothing from the user's file is ever unpickled that way."""
+        if state_dict is not None:
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer)
+            buffer.seek(0)
+            kwargs["feature_extractor_weights_path"] = buffer
+        super().__init__(name, features_list, **kwargs)
 
     def forward(self, x):
         requested = self.features_list
@@ -243,7 +264,7 @@ class FashionMNISTFeatureExtractor(FeatureExtractorBase):
     def __init__(self, name, features_list, feature_extractor_weights_path=None, **kwargs):
         super().__init__(name, features_list)
         self.net = FashionMNISTClassifier()
-        path = resolve_weights(FMNIST, feature_extractor_weights_path)
+        path = weights_path(FMNIST, feature_extractor_weights_path)
         try:
             load_weights(self.net, path)
         except CheckpointError as err:
@@ -302,7 +323,8 @@ def registered_class(name: str):
 
 def build_feature_extractor(name: str, layers: Sequence[str], weights: Optional[PathLike] = None,
                             device: Union[str, torch.device] = "cpu") -> FeatureExtractorBase:
-    """A torch-fidelity feature extractor in eval mode on ``device``; weights resolved by :func:`resolve_weights`.
+    """A torch-fidelity feature extractor in eval mode on ``device``; weights found by :func:`weights_path` (Inception's
+    read once, as tensors: :func:`read_inception_weights`).
 
     Call it with uint8 ``[B, 3, H, W]`` images; it returns one tensor per requested layer, in order. It carries
     ``weights_path`` and ``weights_sha256`` (None for extractors that find their own weights), which results record.
@@ -312,9 +334,12 @@ def build_feature_extractor(name: str, layers: Sequence[str], weights: Optional[
     unknown = [layer for layer in layers if layer not in provided]
     if unknown:
         raise FeatureExtractorError(f"{name} has no layer(s) {unknown}; it provides {list(provided)}")
-    path = resolve_weights(name, weights)
-    extractor = cls(name, list(dict.fromkeys(layers)), verbose=False,
-                    feature_extractor_weights_path=None if path is None else str(path))
+    path = weights_path(name, weights)
+    if name == INCEPTION:  # the file is read once, as tensors
+        extractor = cls(name, list(dict.fromkeys(layers)), state_dict=read_inception_weights(path), verbose=False)
+    else:
+        extractor = cls(name, list(dict.fromkeys(layers)), verbose=False,
+                        feature_extractor_weights_path=None if path is None else str(path))
     extractor.requires_grad_(False).eval()
     extractor.weights_path = None if path is None else str(path)
     extractor.weights_sha256 = None if path is None else file_sha256(path)
