@@ -113,9 +113,9 @@ def test_help_lists_every_setting_with_default_and_meaning_and_print_config_reso
         deit_train.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    assert "optim.base_lr (float, required)  peak lr at batch lr_base_batch" in text
-    assert "train.log_every (int, 50)  steps" in text
-    assert "data.num_workers (int or auto, auto)" in text and "augment.mixup_mode (batch|pair|elem, batch)" in text
+    assert "optim.base_lr (float > 0, required)  peak lr at batch lr_base_batch" in text
+    assert "train.log_every (int >= 1, 50)  steps" in text
+    assert "data.num_workers (int >= 0 or auto, auto)" in text and "augment.mixup_mode (batch|pair|elem, batch)" in text
     root = Path(__file__).resolve().parents[1]
     with pytest.raises(SystemExit) as exit_info:
         deit_train.main(["--config", str(root / "configs/deit_tiny_siamese.yaml"), "--print-config",

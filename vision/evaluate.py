@@ -20,46 +20,39 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Literal, Optional
+from typing import Optional
 
-import timm
 import torch
 import torch.nn.functional as F
 
-import vision  # noqa: F401  (registers our DeiT variants with timm)
-from common.checkpoint import load_weights
-from common.cli import one_line_errors
-from common.config import deep_merge, from_dict, parse_overrides, read_yaml
+from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
+from common.config import ConfigError, check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
 from common.durable import atomic_write_text
-from vision.data import DataConfig, build_dataset, build_eval_loader
-from vision.augment import build_transform
+from vision.config import DataConfig, EvalConfig, ModelConfig  # noqa: F401  (the settings, without timm)
 
 
-@dataclass
-class ModelConfig:
-    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
+def check_model_name(name: str, kwargs: dict) -> None:
+    """``model.name`` must be a timm model (ours registered) and ``model.kwargs`` its arguments: a config error
+    before any work, not a silently ignored setting."""
+    import timm
 
-    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
-    drop_path: float = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
-    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
+    import vision.deit  # noqa: F401  (registers our DeiT variants with timm)
 
-    def __post_init__(self):
-        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
-        if unset:
-            raise ValueError(f"model.kwargs {unset} have no value; give each a value or leave it out")
-        if not timm.is_model(self.name):
-            close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
-            raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
-                             "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
-                             "deit_*_patch16_224)")
-        check_model_kwargs(self.name, self.kwargs)
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
+        raise ConfigError(f"unknown model {name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
+                          "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
+                          "deit_*_patch16_224)")
+    check_model_kwargs(name, kwargs)
 
 
 def build_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
     """Create the timm model a config names (name and keyword arguments were checked with the config)."""
+    import timm
+
+    import vision.deit  # noqa: F401  (registers our DeiT variants with timm)
+
     kwargs = dict(model.kwargs)
     kwargs.setdefault("img_size", data.input_size)
     if model.pretrained:
@@ -69,7 +62,7 @@ def build_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
                                  drop_path_rate=model.drop_path, **kwargs)
     except TypeError as err:
         if "unexpected keyword argument" in str(err):
-            raise ValueError(f"model.kwargs do not fit {model.name}: {err}") from None
+            raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
         raise
 
 
@@ -77,11 +70,12 @@ def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
     """Fail in seconds, not after a minute of retries, when timm's weights are neither cached nor downloadable."""
     import socket
 
+    import timm
     from huggingface_hub import try_to_load_from_cache
 
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is None or not (cfg.hf_hub_id or cfg.url):
-        raise ValueError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
+        raise InputError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
     if cfg.hf_hub_id and any(isinstance(try_to_load_from_cache(cfg.hf_hub_id, f), str)
                              for f in ("model.safetensors", "pytorch_model.bin", cfg.hf_hub_filename or "model.safetensors")):
         return
@@ -90,8 +84,8 @@ def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
     except OSError:
-        raise FileNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be reached: "
-                                "pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
+        raise InputNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be "
+                                 "reached: pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
 
 
 def check_model_kwargs(name: str, kwargs: dict) -> None:
@@ -111,8 +105,8 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
         valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
     unknown = sorted(set(kwargs) - valid)
     if unknown:
-        raise ValueError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
-                         f"{', '.join(sorted(valid - {'kwargs'}))}")
+        raise ConfigError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
+                          f"{', '.join(sorted(valid - {'kwargs'}))}")
 
 
 @torch.no_grad()
@@ -153,7 +147,7 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
     mine = torch.cat(unreadable).unique().tolist() if unreadable else []
     bad = sorted({i for rank in gather_objects(accelerator, mine) for i in rank if i >= 0})
     if n == 0:
-        raise ValueError("the evaluation set has no readable image")
+        raise InputError("the evaluation set has no readable image")
     result = {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n),
               "unreadable": len(bad)}
     if bad:
@@ -161,17 +155,6 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
         samples = getattr(getattr(dataset, "dataset", dataset), "samples", None)  # through the shard's Subset
         result["unreadable_files"] = [samples[i][0] if samples else i for i in bad]
     return result
-
-
-@dataclass
-class EvalConfig:
-    model: ModelConfig
-    data: DataConfig
-    checkpoint: Optional[str] = None  # .safetensors / .pt weights, or a training checkpoint step_*.pt
-    weights: Literal["model", "ema"] = "model"  # which weights of a training checkpoint
-    batch_size: int = 256
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    output: Optional[str] = None  # JSON results file (default: <checkpoint>.eval.json, or print only)
 
 
 def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
@@ -184,8 +167,12 @@ def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
 
 
 def run(cfg: EvalConfig) -> dict:
+    from common.checkpoint import load_weights
     from common.distributed import build_accelerator
+    from vision.augment import build_transform
+    from vision.data import build_dataset, build_eval_loader
 
+    check_registered(cfg)
     accelerator = build_accelerator(cfg.precision, run_dir=None, tensorboard=False)
     model = build_model(cfg.model, cfg.data)
     if cfg.checkpoint:
@@ -210,13 +197,11 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m vision.evaluate",
-        description="Evaluate a classifier (Top-1/Top-5/loss). Settings are key=value pairs: "
-                    "model.name, model.kwargs.<k>, model.pretrained, data.dataset (imagefolder|fashion_mnist), "
-                    "data.path, data.val_split, data.num_classes, data.input_size, data.crop_pct, "
-                    "data.interpolation, checkpoint, weights (model|ema), batch_size, precision, output.",
-        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description="Evaluate a classifier (Top-1/Top-5/loss). Settings are key=value pairs (listed below), on top "
+                    "of --config.",
+        epilog=settings_epilog(EvalConfig) + "\n\n" + __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML with eval keys, or a training run's config.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. checkpoint=runs/x/model.safetensors")
     args = parser.parse_args(argv)
