@@ -14,8 +14,8 @@ Several processes: say-once is rank 0's job. Every process runs the same command
 prints the line and every other rank exits 2 without printing it; nothing waits for anything. A message only
 another rank meets (a file its node cannot read, its own disk) is not lost: every rank also writes its message
 to the launcher's error file (``TORCHELASTIC_ERROR_FILE``, which torchrun and accelerate launch give each
-process, and ``scripts/cluster/srun_task.sh`` under SLURM), and the launcher's failure summary (the job script
-under SLURM) shows it with the rank.
+process, and ``scripts/cluster/srun_task.sh`` under SLURM), and the launcher's failure summary shows it with the
+rank (under SLURM, ``scripts/cluster/train.sbatch`` prints each distinct message with the ranks that met it).
 """
 from __future__ import annotations
 
@@ -53,14 +53,16 @@ def process_rank() -> int:
 
 
 def _record_for_launcher(message: str, rank: int) -> None:
-    """Write ``message`` to the launcher's error file of this process, in torch.distributed.elastic's format (its
-    failure summary prints it with the rank); nothing without a launcher."""
+    """Write ``message`` to the launcher's error file of this process (``TORCHELASTIC_ERROR_FILE``), in
+    torch.distributed.elastic's format: its failure summary prints ``py_callstack`` (the message and the rank),
+    scripts/cluster/train.sbatch groups the ``message`` fields. Nothing without a launcher."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    text = message if rank == 0 else f"{message} (rank {rank})"
-    record = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    shown = message if rank == 0 else f"{message} (rank {rank})"
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(record, f)
     except OSError:

@@ -83,7 +83,7 @@ class RunConfig:
     ema_decay: Optional[Annotated[float, Range(ge=0, lt=1)]] = None  # keep, evaluate and save an EMA of the weights
     log_every: Annotated[int, Range(ge=1)] = 100  # steps
     ckpt_every: Annotated[int, Range(ge=1)] = 1000  # steps (a checkpoint is also written at the end and at stop_at_step)
-    keep_last: Annotated[int, Range(ge=2, why=KEEP_LAST_WHY)] = 2  # >= 2: a checkpoint from before a divergence must survive the newest one
+    keep_last: Annotated[int, Range(ge=2, why=KEEP_LAST_WHY)] = 2  # newest checkpoints kept (one from before a divergence must survive the newest one)
     keep_every: Optional[Annotated[int, Range(ge=1)]] = None  # also keep checkpoints of steps divisible by this
     resume: Optional[str] = "auto"  # auto | null (fresh; refused where checkpoints exist) | path to a step_*.pt
     max_nonfinite: Annotated[int, Range(ge=1)] = 20  # non-finite steps in a row before the run stops (checked on logging steps)

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from timm.layers import Attention, Mlp, PatchEmbed
 
 from common.checkpoint import CheckpointError, convert_state_dict, load_weights
+from common.cli import InputError
 from common.residual import (
     LN_EPS,
     ResidualBlock,
@@ -237,10 +238,10 @@ class DiT(nn.Module):
         super().__init__()
         check_topology(topology, DIT_TOPOLOGIES)
         if input_size % patch_size:
-            raise ValueError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
+            raise InputError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
                              "pick a latent size that is a multiple of the patch size")
         if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+            raise InputError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
         self.input_size = input_size
         self.patch_size = patch_size
         self.in_channels = in_channels
@@ -337,7 +338,7 @@ class DiT(nn.Module):
         n = self.in_channels
         guided = n if guided_channels == "all" else guided_channels
         if not isinstance(guided, int) or isinstance(guided, bool) or not 0 < guided <= n:
-            raise ValueError(f"guided_channels must be an int in [1, {n}] or 'all', got {guided_channels!r}")
+            raise InputError(f"guided_channels must be an int in [1, {n}] or 'all', got {guided_channels!r}")
         if x.shape[0] % 2:
             raise ValueError(f"forward_with_cfg expects an even batch [conditional; unconditional], got {x.shape[0]}")
         half = x[: x.shape[0] // 2]
@@ -402,13 +403,13 @@ def check_dit_arguments(name: str, topology: str, class_dropout_prob: float, kwa
     """What a DiT description may hold (a config's ``model:`` section, a checkpoint's metadata)."""
     check_topology(topology, DIT_TOPOLOGIES)
     if name not in DiT_models:
-        raise ValueError(f"{where}name={name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+        raise InputError(f"{where}name={name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
     if not 0.0 <= class_dropout_prob < 1.0:
-        raise ValueError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
+        raise InputError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
     allowed = [p for p in inspect.signature(DiT).parameters if p not in SPEC_OWN]
     unknown = [k for k in kwargs if k not in allowed]
     if unknown:
-        raise ValueError(f"{where}kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
+        raise InputError(f"{where}kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
 
 
 @dataclass
@@ -440,7 +441,7 @@ class DiTSpec:
     def __post_init__(self):
         check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs, where="")
         if self.class_names is not None and len(self.class_names) != self.num_classes:
-            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+            raise InputError(f"{len(self.class_names)} class names for {self.num_classes} classes")
 
     @classmethod
     def published(cls, name: str, **values) -> "DiTSpec":
@@ -524,11 +525,11 @@ class DiTSpec:
         """Command-line values over what the checkpoint records over the published DiT's values."""
         values = {**found, **{k: v for k, v in (overrides or {}).items() if v is not None}}
         if "name" not in values:
-            raise ValueError("this checkpoint does not say which model it holds (a plain state dict such as the "
+            raise InputError("this checkpoint does not say which model it holds (a plain state dict such as the "
                              f"official DiT-XL-2-256x256.pt): pass --model (one of {', '.join(DiT_models)}) and "
                              "--image-size")
         if values["name"] not in DiT_models:
-            raise ValueError(f"--model {values['name']!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+            raise InputError(f"--model {values['name']!r} is not a DiT; choose one of {', '.join(DiT_models)}")
         return cls.published(**values)
 
 

@@ -78,8 +78,8 @@ def test_rank_0_says_the_line_the_others_leave_it_for_the_launcher(tmp_path, cap
         printed = capsys.readouterr().err
         assert printed == ("error: optim.batch_size=127 does not split\n" if rank == "0" else "")
         record = json.loads(error_file.read_text())["message"]
-        expected = "error: optim.batch_size=127 does not split" + ("" if rank == "0" else " (rank 1)")
-        assert record["message"] == record["extraInfo"]["py_callstack"] == expected
+        assert record["message"] == "error: optim.batch_size=127 does not split"
+        assert record["extraInfo"]["py_callstack"] == record["message"] + ("" if rank == "0" else " (rank 1)")
 
 
 def torchrun(*args, env=None) -> subprocess.CompletedProcess:

@@ -107,6 +107,12 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
     if unknown:
         raise ConfigError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
                           f"{', '.join(sorted(valid - {'kwargs'}))}")
+    if "topology" in kwargs:
+        from common.residual import MODEL_TOPOLOGIES
+
+        if kwargs["topology"] not in MODEL_TOPOLOGIES:
+            raise ConfigError(f"model.kwargs.topology={kwargs['topology']!r} is not a topology; choose one of "
+                              f"{', '.join(MODEL_TOPOLOGIES)}")
 
 
 @torch.no_grad()
