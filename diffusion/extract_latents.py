@@ -165,14 +165,14 @@ def write_metadata(out: Path, num_shards: int, settings: dict, latent_shape) -> 
 def extract(args) -> dict:
     from accelerate import Accelerator
 
+    files = ImageFiles(args.data_path, args.image_size)  # the input first: nothing loads for a wrong --data-path
+    if len(files) == 0:
+        raise InputNotFoundError(f"no images found under {args.data_path}")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
     vae = load_vae(args.vae, allow_download=args.allow_download, download_flag="--allow-download")
     vae_sha256 = weights_fingerprint(vae.state_dict())  # a VAE replaced at the same path must not resume
     vae = vae.to(accelerator.device).eval()
-    files = ImageFiles(args.data_path, args.image_size)
-    if len(files) == 0:
-        raise InputNotFoundError(f"no images found under {args.data_path}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scaling_factor = float(getattr(vae.config, "scaling_factor", 0.18215))  # recorded in every shard

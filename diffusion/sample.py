@@ -159,6 +159,9 @@ def parse_args(argv=None):
 
 
 def check_args(args) -> None:
+    if not Path(args.checkpoint).exists():
+        raise SamplingError(f"--checkpoint {args.checkpoint} does not exist: pass an ema.safetensors or step_*.pt of "
+                            "diffusion.train, a folder of diffusion.export, or a state dict")
     if (args.grid is None) == (args.num_samples is None):
         raise SamplingError("choose one output: --grid PATH.png, or --num-samples N with --out-dir DIR")
     if args.num_samples is not None:

@@ -117,6 +117,10 @@ class TrainConfig:
                 self.train.sample_every or self.train.fid_every):
             raise ConfigError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
                               "the latents); or set train.sample_every=0 and train.fid_every=0 to train without a VAE")
+        for name in ("sample_steps", "fid_steps"):  # respaced from the training schedule: at most all its steps
+            if getattr(self.train, name) > self.diffusion.num_timesteps:
+                raise ConfigError(f"train.{name}={getattr(self.train, name)} exceeds diffusion.num_timesteps="
+                                  f"{self.diffusion.num_timesteps}: sampling respaces the training steps")
 
 
 def latent_vae(images) -> dict:

@@ -150,6 +150,7 @@ def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message)
     (["model.class_dropout_prob=1"], "model.class_dropout_prob=1 must lie in [0, 1)"),
     (["diffusion.beta_end=2"], "diffusion.beta_end=2 must lie in (0, 1)"),
     (["data.image_size=0"], "data.image_size=0 must be >= 8"),
+    (["train.sample_steps=1001"], "train.sample_steps=1001 exceeds diffusion.num_timesteps=1000"),
     (["model.topology=sandwich"], "unknown residual topology 'sandwich'"),
     (["data.path=/data/my #1 run"], "/data/my #1 run"),  # not cut at the ` #` as a YAML comment
     (["optim.lr=.inf"], "optim.lr=inf must be a finite number"),
