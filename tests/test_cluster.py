@@ -153,7 +153,8 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
     port, procs = str(free_port()), []
     for rank in (0, 1):
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "TORCHELASTIC_ERROR_FILE": str(tmp_path / f"errors/rank{rank}.json")}  # as srun_task.sh sets it
         procs.append(subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "train.output_dir=run"],
                                       cwd=tmp_path / f"node{rank}", env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -161,9 +162,13 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err[-2000:]
-        errors += [line for line in err.splitlines() if line.startswith("error")]
-    assert len(errors) == 2 and "the processes see different checkpoints" in errors[0]
-    assert "rank 0: step_000000002.pt, rank 1: none" in errors[0] and "Traceback" not in "".join(errors)
+        errors.append([line for line in err.splitlines() if line.startswith("error")])
+        assert "Traceback" not in err
+    assert len(errors[0]) == 1 and errors[1] == []  # said once, by rank 0; rank 1 leaves it in its error file
+    assert "the processes see different checkpoints" in errors[0][0]
+    assert "rank 0: step_000000002.pt, rank 1: none" in errors[0][0]
+    recorded = json.loads((tmp_path / "errors/rank1.json").read_text())["message"]
+    assert recorded["message"] == errors[0][0] and recorded["extraInfo"]["py_callstack"] == f"{errors[0][0]} (rank 1)"
 
 
 def test_outputs_follow_the_umask(tmp_path):
