@@ -247,8 +247,7 @@ def test_latents_carry_their_scale_and_a_metadata_that_disagrees_is_refused(late
     shutil.copy(other / "shard_00001.safetensors", folder / "shard_00001.safetensors")  # a shard of another extraction
     err = one_line(train_on_latents(folder, tmp_path / "run"))
     assert "but shard_00001.safetensors was made with" in err and "belongs to another extraction" in err, err
-    shutil.copy(root / "lat" / "shard_00001.safetensors", folder / "shard_00001.safetensors")
-    assert train_on_latents(folder, tmp_path / "run").returncode == 0
+    # (latents whose shards and metadata agree train: test_grids_of_classes_imagenet_1k_does_not_know_... above)
 
 
 def test_latents_of_the_first_format_are_refused_saying_why(latents, tmp_path):
