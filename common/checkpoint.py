@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from common.cli import InputError
 from common.durable import atomic_write
 
 StateDict = Mapping[str, torch.Tensor]
@@ -27,7 +28,7 @@ WRAPPER_KEYS = ("model", "state_dict", "module", "ema", "model_ema")
 STRIP_PREFIXES = ("module.", "_orig_mod.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be read or does not fit the model."""
 
 

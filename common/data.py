@@ -45,6 +45,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from common.cli import InputError, InputNotFoundError
+
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                          "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
@@ -70,7 +72,7 @@ def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-class ImageFolderError(FileNotFoundError):
+class ImageFolderError(InputNotFoundError):
     """A folder of images that cannot be read as one: a symlink loop, an empty class, no images."""
 
 
@@ -126,12 +128,12 @@ def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
     with opener(path, "rb") as f:
         data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file (bad magic number {data[:4].hex()})")
+        raise InputError(f"{path} is not an IDX file (bad magic number {data[:4].hex()})")
     ndim = data[3]
     shape = struct.unpack(f">{ndim}I", data[4: 4 + 4 * ndim])
     array = np.frombuffer(data, dtype=_IDX_DTYPES[data[2]], offset=4 + 4 * ndim)
     if array.size != math.prod(shape):
-        raise ValueError(f"{path} is truncated: header says {shape}, found {array.size} values")
+        raise InputError(f"{path} is truncated: header says {shape}, found {array.size} values")
     return array.reshape(shape)
 
 
@@ -148,7 +150,7 @@ def find_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = Non
             labels = d / f"{prefix}-labels-idx1-ubyte{suffix}"
             if images.is_file() and labels.is_file():
                 return images, labels
-    raise FileNotFoundError(
+    raise InputNotFoundError(
         f"Fashion-MNIST {split} files ({prefix}-images-idx3-ubyte[.gz], {prefix}-labels-idx1-ubyte[.gz]) not found in "
         f"{', '.join(str(c) for c in candidates)}. Install them with `sudo apt-get install dataset-fashion-mnist` "
         "(or `make data`), or pass the directory of a torchvision download as data.path."
@@ -160,7 +162,7 @@ def load_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = Non
     images_path, labels_path = find_fashion_mnist(split, root)
     images, labels = read_idx(images_path), read_idx(labels_path).astype(np.int64)
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-        raise ValueError(f"{images_path} / {labels_path}: shapes {images.shape} / {labels.shape} are not an image set")
+        raise InputError(f"{images_path} / {labels_path}: shapes {images.shape} / {labels.shape} are not an image set")
     return images, labels
 
 
@@ -276,7 +278,7 @@ class ResumableSampler(Sampler):
     def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True,
                  repeats: int = 1, epoch_samples: Optional[int] = None):
         if num_samples <= 0:
-            raise ValueError("the dataset is empty; nothing to sample")
+            raise InputError("the dataset is empty; nothing to sample")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, num_replicas={num_replicas})")
         if repeats < 1:
@@ -290,7 +292,7 @@ class ResumableSampler(Sampler):
         total = num_samples if epoch_samples is None else min(epoch_samples, num_samples * repeats)
         self.total = (total // num_replicas) * num_replicas
         if self.total == 0:
-            raise ValueError(f"{num_samples} samples cannot be split over {num_replicas} processes")
+            raise InputError(f"{num_samples} samples cannot be split over {num_replicas} processes")
         self.epoch = 0
         self.start = 0
 
@@ -332,7 +334,7 @@ def resolve_num_workers(setting: Union[int, str]) -> int:
     machine, less one for the process itself (0 on a single CPU: load in the main process)."""
     if setting != "auto":
         if not (isinstance(setting, int) or str(setting).isdigit()) or int(setting) < 0:
-            raise ValueError(f"num_workers={setting!r}: a number of worker processes >= 0, or auto")
+            raise InputError(f"num_workers={setting!r}: a number of worker processes >= 0, or auto")
         return int(setting)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -32,6 +32,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from common.cli import InputError
 from common.durable import atomic_write_text
 from common.plots import color_for, plain_ticks, plot_series, pyplot
 from common.residual import ResidualBlock, SiameseFusion
@@ -179,7 +180,7 @@ def grad_norm_trace(run_dir: PathLike) -> dict:
     records = read_metrics(run_dir)
     rows = [r for r in records if GRAD_NORM_KEY in r]
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no {GRAD_NORM_KEY!r} records: this trainer does not log "
+        raise InputError(f"{run_dir}/metrics.jsonl has no {GRAD_NORM_KEY!r} records: this trainer does not log "
                          "gradient norms, so there is no trace to show")
     return {"steps": [int(r["step"]) for r in rows], "grad_norm": [_as_float(r[GRAD_NORM_KEY]) for r in rows],
             "loss": [_as_float(r[LOSS_KEY]) if LOSS_KEY in r else None for r in rows]}

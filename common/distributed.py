@@ -17,6 +17,8 @@ from typing import Any, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from common.cli import InputError
+
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -138,6 +140,6 @@ def check_divisible(global_batch: int, world_size: int, grad_accum: int = 1) -> 
     """Per-process micro-batch size for a global batch; a clear error when it does not divide."""
     denom = world_size * grad_accum
     if global_batch % denom:
-        raise ValueError(f"global batch size {global_batch} is not divisible by processes ({world_size}) x "
+        raise InputError(f"global batch size {global_batch} is not divisible by processes ({world_size}) x "
                          f"gradient accumulation ({grad_accum}); change optim.batch_size or optim.grad_accum")
     return global_batch // denom

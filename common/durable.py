@@ -19,13 +19,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
+from common.cli import InputError
+
 PathLike = Union[str, os.PathLike]
 TMP_SUFFIX = ".tmp"
 # Write failures that are about the disk, not the program: they end in one line naming the file.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM)
 
 
-class DiskWriteError(OSError):
+class DiskWriteError(InputError, OSError):
     """A file could not be written for a reason of the disk (full, quota, read-only, permissions)."""
 
 

@@ -23,6 +23,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from common.cli import InputError
 from common.durable import atomic_write_text, raise_disk_failure
 
 METRICS_FILE = "metrics.jsonl"
@@ -160,7 +161,7 @@ def progress_bar(accelerator, total: int, initial: int = 0, desc: str = "train")
                 disable=not accelerator.is_main_process)
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(InputError, RuntimeError):
     """Too many consecutive non-finite losses: the run is diverging."""
 
 

@@ -10,6 +10,11 @@ kill. The handler only records the signal: the loop asks at a step boundary, eve
 same step, and the ranks agree through one small all-reduce (on a CPU process group, so a GPU is never waited
 for). The run then writes one consistent checkpoint and exits with :data:`EXIT_PREEMPTED`, which a job script
 requeues on. Nothing is written inside the handler.
+
+The handlers stay installed until the run's process group is gone. A command line
+(:func:`ignore_stop_signals_at_exit`) then ignores the signals instead of restoring the old handlers, so a
+signal that arrives while a finished run shuts down changes nothing: the process exits 0, not 143 (which a job
+script reads as a failure).
 """
 from __future__ import annotations
 
@@ -19,15 +24,25 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from common.cli import InputError
+
 EXIT_PAUSED = 3  # the run stopped at train.stop_at_step: incomplete, continue it with the same command
 EXIT_PREEMPTED = 4  # a stop signal arrived: a checkpoint of this step was written; requeue the same command
+_IGNORE_AT_EXIT = False
+
+
+def ignore_stop_signals_at_exit() -> None:
+    """For a command line whose process ends with its run: when a run hands its stop signals back
+    (:meth:`StopRequests.restore`), they are ignored from then on instead of getting their old handlers back."""
+    global _IGNORE_AT_EXIT
+    _IGNORE_AT_EXIT = True
 
 
 def signal_number(name: str) -> int:
     try:
         return int(getattr(signal, name))
     except AttributeError:
-        raise ValueError(f"unknown signal {name!r}; e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT") from None
+        raise InputError(f"unknown signal {name!r}; e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT") from None
 
 
 class StopRequests:
@@ -56,8 +71,9 @@ class StopRequests:
         return self
 
     def restore(self) -> None:
+        """The handlers from before :meth:`install`; ``SIG_IGN`` after :func:`ignore_stop_signals_at_exit`."""
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            signal.signal(number, signal.SIG_IGN if _IGNORE_AT_EXIT else handler)
         self._previous.clear()
 
     def _record(self, number, frame) -> None:

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 import torch.fx
 
+from common.cli import InputError
+
 Tensor = torch.Tensor
 StreamState = Union[Tensor, Tuple[Tensor, Tensor], List[Tensor]]
 
@@ -56,7 +58,7 @@ HC_NORM_EPS = 1e-12
 
 def check_topology(topology: str, allowed: Sequence[str] = MODEL_TOPOLOGIES) -> str:
     if topology not in allowed:
-        raise ValueError(f"unknown residual topology {topology!r}; valid topologies are {', '.join(allowed)}")
+        raise InputError(f"unknown residual topology {topology!r}; valid topologies are {', '.join(allowed)}")
     return topology
 
 
@@ -76,7 +78,7 @@ def block_topologies(topology: str, depth: int, mixln_post_blocks: Optional[int]
         return [topology] * depth
     k = default_mixln_post_blocks(depth) if mixln_post_blocks is None else int(mixln_post_blocks)
     if not 0 <= k <= depth:
-        raise ValueError(f"mixln_post_blocks={k} must lie in [0, depth={depth}]")
+        raise InputError(f"mixln_post_blocks={k} must lie in [0, depth={depth}]")
     return ["post"] * k + ["pre"] * (depth - k)
 
 
@@ -160,7 +162,7 @@ def attnres_source_sublayers(topology: str, depth: int, block_size: Optional[int
         return 1
     size = default_attnres_block_size(depth) if block_size is None else int(block_size)
     if size < 1:
-        raise ValueError(f"attnres_block_size={size} must be at least 1 (transformer blocks per AttnRes block)")
+        raise InputError(f"attnres_block_size={size} must be at least 1 (transformer blocks per AttnRes block)")
     return 2 * size
 
 
@@ -270,7 +272,7 @@ class DeepNormBlock(ResidualBlock):
                  drop_path: float = 0.0):
         super().__init__(dim, layer_index, drop_path=drop_path)
         if not num_blocks:
-            raise ValueError("the deepnorm topology needs num_blocks (the model depth) to set alpha = (2N)^(1/4)")
+            raise InputError("the deepnorm topology needs num_blocks (the model depth) to set alpha = (2N)^(1/4)")
         self.residual_scale = deepnorm_alpha(num_blocks)
         self.norm1 = norm_layer(dim)
         self.norm2 = norm_layer(dim)

@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from common.cli import InputError, InputNotFoundError
 from common.durable import atomic_write
 
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
@@ -178,7 +179,7 @@ def resolve_resume(resume: Optional[str], manager: CheckpointManager) -> Optiona
         return manager.latest()
     path = Path(resume)
     if not path.is_file():
-        raise FileNotFoundError(f"resume={resume!r}: no such checkpoint file; use resume=auto to continue the "
+        raise InputNotFoundError(f"resume={resume!r}: no such checkpoint file; use resume=auto to continue the "
                                 f"newest checkpoint in {manager.directory}, or resume=null to start fresh")
     return path, load_training_checkpoint(path)
 
@@ -196,8 +197,36 @@ def restore_process_rng(rng_states: list, rank: int, world: int, path) -> None:
                       "the same, but randomness drawn from the global RNGs is re-seeded")
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(InputError, RuntimeError):
     """The run directory is in use by another live run."""
+
+
+class RunDirectoryError(InputError):
+    """The run directory cannot be written (a read-only file system, missing permissions)."""
+
+
+def _cannot_write(run_dir: Path, reason: str) -> RunDirectoryError:
+    return RunDirectoryError(f"cannot write the run directory {run_dir} ({reason}): give train.output_dir a place "
+                             "this process may write to, or fix the permissions")
+
+
+def check_run_directory(run_dir: Union[str, os.PathLike]) -> None:
+    """Refuse, before any work, a run directory that cannot be written: the directory, or the nearest existing
+    folder above it where it would be made, must be writable (``os.access``, which also reports a read-only mount)."""
+    run_dir = Path(run_dir)
+    existing = next((p for p in (run_dir, *run_dir.absolute().parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise _cannot_write(run_dir, f"{existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only_mount(existing) else f"no write permission on {existing}"
+        raise _cannot_write(run_dir, reason)
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 _HELD_LOCK_FDS: set = set()
@@ -230,8 +259,11 @@ class RunLock:
         self.fd: Optional[int] = None
 
     def acquire(self) -> str:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
+        except OSError as err:  # read-only, no permission, a file in the way
+            raise _cannot_write(self.path.parent, err.strerror or str(err)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -29,25 +29,28 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Annotated, Callable, Dict, Iterable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
 
 from common.checkpoint import bare_model, save_weights
-from common.cli import InputError, one_line_errors
-from common.config import config_from_cli, config_to_dict, flatten, save_config, schema_defaults
+from common.cli import InputError, one_line_errors, process_rank
+from common.config import (ConfigError, Range, check_registered, config_from_cli, config_to_dict, flatten, save_config,
+                           schema_defaults)
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, gather_objects,
                                 rank_seed, seed_everything, use_fast_cuda_kernels)
 from common.durable import atomic_write_text
-from common.ema import ModelEma
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
-from common.preemption import EXIT_PAUSED, EXIT_PREEMPTED, StopRequests, signal_number
-from common.train_state import (CheckpointManager, RunLock, RunLockedError, capture_rng_state, preserved_rng,
-                                resolve_resume, restore_process_rng)
+from common.preemption import EXIT_PAUSED, EXIT_PREEMPTED, StopRequests, ignore_stop_signals_at_exit, signal_number
+from common.train_state import (CheckpointManager, RunDirectoryError, RunLock, RunLockedError, capture_rng_state,
+                                check_run_directory, preserved_rng, resolve_resume, restore_process_rng)
 
 FINAL_METRICS_FILE = "final_metrics.json"
+KEEP_LAST_WHY = ("when a run diverges, the newest checkpoint may hold the diverged weights, and the one before it is "
+                 "what the run resumes from")
+Beta = Annotated[float, Range(ge=0, lt=1)]  # an Adam moment's decay
 
 
 class ResumeError(InputError):
@@ -59,19 +62,12 @@ class OptimConfig:
     """The ``optim:`` settings both families share (each adds its learning rate and length). The recipes give the
     numbers; the defaults here are "off" or AdamW's own."""
 
-    batch_size: int  # GLOBAL batch: all processes x grad_accum x per-process micro-batch
-    weight_decay: float = 0.0  # not applied to biases, norms and the model's no_weight_decay() (timm's filter)
-    betas: Tuple[float, float] = (0.9, 0.999)  # torch.optim.AdamW's defaults
-    eps: float = 1e-8  # AdamW epsilon
-    clip_grad: Optional[float] = None  # max global grad norm; null = no clipping
-    grad_accum: int = 1  # micro-batches per optimizer step (the global batch stays optim.batch_size)
-
-    def __post_init__(self):
-        for name in ("batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"optim.{name}={getattr(self, name)} must be >= 1")
-        if self.clip_grad is not None and self.clip_grad <= 0:
-            raise ValueError(f"optim.clip_grad={self.clip_grad} must be positive, or null for no clipping")
+    batch_size: Annotated[int, Range(ge=1)]  # GLOBAL batch: all processes x grad_accum x per-process micro-batch
+    weight_decay: Annotated[float, Range(ge=0)] = 0.0  # not applied to biases, norms and the model's no_weight_decay() (timm's filter)
+    betas: Tuple[Beta, Beta] = (0.9, 0.999)  # torch.optim.AdamW's defaults
+    eps: Annotated[float, Range(gt=0)] = 1e-8  # AdamW epsilon
+    clip_grad: Optional[Annotated[float, Range(gt=0)]] = None  # max global grad norm; null = no clipping
+    grad_accum: Annotated[int, Range(ge=1)] = 1  # micro-batches per optimizer step (the global batch stays optim.batch_size)
 
 
 @dataclass
@@ -79,47 +75,34 @@ class RunConfig:
     """The ``train:`` settings both families share: everything about a run that is not the recipe."""
 
     output_dir: str = "runs/run"  # the run directory: run the same command again to continue it
-    seed: int = 0  # initial weights, data order, augmentation, every random draw
+    seed: Annotated[int, Range(ge=0)] = 0  # initial weights, data order, augmentation, every random draw
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: Union[bool, Literal["auto"]] = "auto"  # torch.compile the training model; auto: on CUDA only
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
-    threads: Optional[int] = None  # CPU intra-op threads (null: torch's default; 1 is fastest on a busy machine)
-    ema_decay: Optional[float] = None  # keep, evaluate and save an EMA of the weights
-    log_every: int = 100  # steps
-    ckpt_every: int = 1000  # steps (a checkpoint is also written at the end and at stop_at_step)
-    keep_last: int = 2  # >= 2: a checkpoint from before a divergence must survive the newest one
-    keep_every: Optional[int] = None  # also keep checkpoints of steps divisible by this
+    threads: Optional[Annotated[int, Range(ge=1)]] = None  # CPU intra-op threads (null: torch's default; 1 is fastest on a busy machine)
+    ema_decay: Optional[Annotated[float, Range(ge=0, lt=1)]] = None  # keep, evaluate and save an EMA of the weights
+    log_every: Annotated[int, Range(ge=1)] = 100  # steps
+    ckpt_every: Annotated[int, Range(ge=1)] = 1000  # steps (a checkpoint is also written at the end and at stop_at_step)
+    keep_last: Annotated[int, Range(ge=2, why=KEEP_LAST_WHY)] = 2  # newest checkpoints kept (one from before a divergence must survive the newest one)
+    keep_every: Optional[Annotated[int, Range(ge=1)]] = None  # also keep checkpoints of steps divisible by this
     resume: Optional[str] = "auto"  # auto | null (fresh; refused where checkpoints exist) | path to a step_*.pt
-    max_nonfinite: int = 20  # non-finite steps in a row before the run stops (checked on logging steps)
-    stop_at_step: Optional[int] = None  # end this invocation at this step (exit 3); the same command continues
-    ckpt_every_minutes: Optional[float] = None  # also checkpoint when this long passed since the last one
+    max_nonfinite: Annotated[int, Range(ge=1)] = 20  # non-finite steps in a row before the run stops (checked on logging steps)
+    stop_at_step: Optional[Annotated[int, Range(ge=1)]] = None  # end this invocation at this step (exit 3); the same command continues
+    ckpt_every_minutes: Optional[Annotated[float, Range(gt=0)]] = None  # also checkpoint when this long passed since the last one
     stop_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # checkpoint this step, exit 4
-    stop_check_every: int = 1  # steps between the ranks' agreement on signals and time (a CPU all-reduce)
-    dist_timeout_minutes: float = 30.0  # a collective waiting this long (a dead or stuck rank) ends the run
+    stop_check_every: Annotated[int, Range(ge=1)] = 1  # steps between the ranks' agreement on signals and time (a CPU all-reduce)
+    dist_timeout_minutes: Annotated[float, Range(gt=0)] = 30.0  # a collective waiting this long (a dead or stuck rank) ends the run
     ddp_static_graph: bool = False  # DDP static_graph=True (valid when every step uses every parameter the same way)
     tensorboard: bool = True  # TensorBoard events under <output_dir>/tb
     trackers: List[str] = field(default_factory=list)  # more of accelerate's trackers: wandb, mlflow, comet_ml, ...
     tracker_project: str = "siamesenorm"  # the trackers' project (W&B project, MLflow experiment)
 
     def __post_init__(self):
-        for name in ("log_every", "ckpt_every", "max_nonfinite", "stop_check_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
-        if self.keep_last < 2:
-            raise ValueError(f"train.keep_last={self.keep_last} must be >= 2: when a run diverges, the newest checkpoint "
-                             "may hold the diverged weights, and the one before it is what the run resumes from")
-        for name in ("keep_every", "stop_at_step", "threads"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"train.{name}={value} must be >= 1, or null")
-        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"train.ema_decay={self.ema_decay} must lie in [0, 1), or null for no EMA")
-        if self.ckpt_every_minutes is not None and self.ckpt_every_minutes <= 0:
-            raise ValueError(f"train.ckpt_every_minutes={self.ckpt_every_minutes} must be positive, or null")
-        if self.dist_timeout_minutes <= 0:
-            raise ValueError(f"train.dist_timeout_minutes={self.dist_timeout_minutes} must be positive")
         for name in self.stop_signals:
-            signal_number(name)
+            try:
+                signal_number(name)
+            except InputError as err:
+                raise ConfigError(f"train.stop_signals: {err}") from None
 
 
 # Settings a resumed run may change, by dotted prefix; they take effect from the resumed step on. Everything else
@@ -297,6 +280,7 @@ class Trainer:
     """Runs (or continues) the training that ``cfg`` describes with ``task``'s pieces; see the module docstring."""
 
     def __init__(self, cfg, task):
+        check_registered(cfg)  # the names a library's registry must know (timm's models, ...), before any work
         self.cfg, self.task = cfg, task
         self.run: RunConfig = cfg.train
         self.optim = cfg.optim
@@ -307,6 +291,7 @@ class Trainer:
     def fit(self) -> dict:
         run = self.run
         check_trackers(run.trackers)
+        check_run_directory(self.run_dir)  # a read-only place is refused before any work
         accelerator = self.accelerator = build_accelerator(run.precision, self.run_dir, run.tensorboard,
                                                            timeout_minutes=run.dist_timeout_minutes,
                                                            static_graph=run.ddp_static_graph, trackers=run.trackers)
@@ -325,18 +310,23 @@ class Trainer:
                 taken_over = lock.acquire()
                 if taken_over:
                     print(f"{self.run_dir}: taking over the lock of a run that ended without releasing it ({taken_over})")
-            except RunLockedError as err:
-                error = str(err)
+            except (RunLockedError, RunDirectoryError) as err:
+                error = err
         error = gather_objects(accelerator, error)[0]  # every rank stops, not only the main one
         if error:
-            raise RunLockedError(error)
+            raise error
+        # From here to the end of the process a stop signal is recorded, never fatal: before the first step it is
+        # acted on there, after the last one it changes nothing (the run's exit status stands).
+        self.stop = StopRequests(run.stop_signals, run.ckpt_every_minutes, run.stop_check_every,
+                                 group=self._cpu_group(), world=self.world, rank=self.rank).install()
         try:
             return self._fit()
         finally:
             if hasattr(self.feed, "close"):
                 self.feed.close()
             lock.release()
-            accelerator.end_training()  # last: it destroys the process group
+            accelerator.end_training()  # it destroys the process group
+            self.stop.restore()  # last: a command line ignores the signals from here (release_stop_signals)
 
     def _build(self) -> None:
         """Data, model, optimizer, schedule, EMA: everything that can fail on bad input, before any file is written."""
@@ -347,7 +337,7 @@ class Trainer:
         self.samples_per_step = self.per_process_batch * optim.grad_accum  # per process
         self.steps_per_epoch = len(self.sampler) // self.samples_per_step
         if self.steps_per_epoch == 0:
-            raise ValueError(f"an epoch has {len(self.sampler)} samples per process, fewer than one step needs "
+            raise InputError(f"an epoch has {len(self.sampler)} samples per process, fewer than one step needs "
                              f"({self.samples_per_step}); lower optim.batch_size or use more data")
         self.total_steps = task.total_steps(self.steps_per_epoch)
         self.feed = task_feed(task, self.sampler, self.per_process_batch, self.cfg.data.num_workers, accelerator.device,
@@ -359,6 +349,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.optimizer = build_optimizer(model, optim, task.lr)
         self.scheduler = task.lr_scheduler(self.optimizer, self.steps_per_epoch, self.total_steps)
+        from common.ema import ModelEma  # timm's: imported when a run starts, not to read its command line
+
         self.ema = ModelEma(model, run.ema_decay) if run.ema_decay is not None else None
         self.model = accelerator.prepare(model)
         self.train_model = torch.compile(self.model) if resolve_compile(run.compile, accelerator.device) else self.model
@@ -445,8 +437,7 @@ class Trainer:
         self.window = LogWindow(self.task.loss_parts, accelerator.device)
         self.last_record: dict = {}
         self.last_saved = step
-        self.stop = StopRequests(run.stop_signals, run.ckpt_every_minutes, run.stop_check_every,
-                                 group=self._cpu_group(), world=self.world, rank=self.rank).install()
+        self.stop.checkpoint_written()  # ckpt_every_minutes counts from the start of training
         try:
             if self.hooks_pending and 0 < step < self.total_steps:  # stopped by a signal before this step's hooks
                 self._after_step(last=False, epoch_end=step % self.steps_per_epoch == 0)
@@ -458,7 +449,6 @@ class Trainer:
                 self._after_step(last=True)
             return self._finish()
         finally:
-            self.stop.restore()
             self.bar.close()
             self.logger.close()
 
@@ -625,8 +615,17 @@ class Trainer:
 
 
 def run_cli(schema, train, argv, *, prog: str, description: str, examples: Sequence[str]) -> dict:
-    """A trainer's command line: parse and validate the config, then run; bad input ends in one line."""
+    """A trainer's command line: parse and validate the config, then run; bad input ends in one line. Nothing heavy
+    is imported before the config is checked; a first line says what starts while the libraries load.
+
+    ``argv=None`` reads the process's own command line: the process ends with the run, so a stop signal that
+    arrives while the run shuts down is ignored (:func:`common.preemption.ignore_stop_signals_at_exit`) instead of
+    ending the process with 143, which a job script reads as a failure."""
+    if argv is None:
+        ignore_stop_signals_at_exit()
     cfg = config_from_cli(schema, argv, prog=prog, description=description, examples=examples)
+    if process_rank() == 0:
+        print(f"{prog.split()[-1]}: {cfg.train.output_dir}: loading the libraries, the data and the model", flush=True)
     with one_line_errors():
         result = train(cfg)
     if "stopped_at" in result:  # paused or preempted: a job script tells these from "finished" (0) by the status

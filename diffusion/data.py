@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
 
+from common.cli import InputError
+from common.config import ConfigError, Range
 from common.data import FASHION_MNIST_CLASSES, load_fashion_mnist
 from diffusion.latents import LatentDataset, draw_latent
 
@@ -25,22 +27,20 @@ class DataConfig:
     dataset: Literal["latents", "fashion_mnist"]
     path: Optional[str] = None  # latents: the --out of diffusion.extract_latents; fashion_mnist: optional root
     autoencoder: str  # VAE that decodes sample grids (dir or HF id); "none" = pixel space
-    image_size: int  # pixels; latents: must match the extraction
-    num_classes: int
+    image_size: Annotated[int, Range(ge=8)]  # pixels; latents: must match the extraction
+    num_classes: Annotated[int, Range(ge=1)]
     hflip: bool  # random horizontal flip (latents: the stored flipped view)
-    max_samples: Optional[int] = None  # keep the first N training examples (quick runs, tests)
-    num_workers: Union[int, Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
+    max_samples: Optional[Annotated[int, Range(ge=1)]] = None  # keep the first N training examples (quick runs, tests)
+    num_workers: Union[Annotated[int, Range(ge=0)], Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
 
     def __post_init__(self):
-        if self.num_workers != "auto" and self.num_workers < 0:
-            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0: load in the main process), or auto")
         if self.dataset == "latents" and not self.path:
-            raise ValueError("data.path is required for dataset=latents: the output directory of "
-                             "`python -m diffusion.extract_latents` (it holds metadata.json)")
+            raise ConfigError("data.path is required for dataset=latents: the output directory of "
+                              "`python -m diffusion.extract_latents` (it holds metadata.json)")
         if self.dataset == "fashion_mnist" and self.autoencoder != "none":
-            raise ValueError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
+            raise ConfigError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
         if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):
-            raise ValueError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
+            raise ConfigError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
 
 
 class PixelImages(Dataset):
@@ -134,9 +134,9 @@ def build_images(cfg: DataConfig, with_image: bool = False) -> Dataset:
     images = LatentImages(cfg.path, cfg.hflip, cfg.max_samples, with_image)
     meta = images.moments.metadata
     if meta["image_size"] != cfg.image_size:
-        raise ValueError(f"the latents in {cfg.path} are of {meta['image_size']}px images, the config says "
+        raise InputError(f"the latents in {cfg.path} are of {meta['image_size']}px images, the config says "
                          f"data.image_size={cfg.image_size}; make them agree")
     if len(meta["classes"]) != cfg.num_classes:
-        raise ValueError(f"the latents in {cfg.path} have {len(meta['classes'])} classes, the config says "
+        raise InputError(f"the latents in {cfg.path} have {len(meta['classes'])} classes, the config says "
                          f"data.num_classes={cfg.num_classes}; make them agree")
     return images

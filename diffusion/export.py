@@ -19,17 +19,15 @@ import argparse
 import json
 from pathlib import Path
 
-from common.cli import one_line_errors
-from diffusion.checkpoints import load_dit
-from diffusion.models import DiT_models
+from common.cli import ArgumentParser, one_line_errors
 from diffusion.sampling import Decoder, SamplingError
 
 FORMATS = ("hub", "diffusers")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m diffusion.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m diffusion.export", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="ema.safetensors / step_*.pt of diffusion.train, or a state dict")
     p.add_argument("--out", required=True, type=Path, help="folder to write")
     p.add_argument("--format", choices=FORMATS, default="hub",
@@ -39,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--weights", default=None, help="entry of a training checkpoint to export (default: ema)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload the folder to this Hub repository")
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
-    m.add_argument("--model", default=None, help=f"one of {', '.join(DiT_models)}")
+    m.add_argument("--model", default=None, help="a DiT of diffusion.models.DiT_models: DiT-{S,B,L,XL}/{2,4,8}, e.g. DiT-XL/2")
     m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
@@ -48,11 +46,13 @@ def parse_args(argv=None):
 
 
 def export(args) -> dict:
+    from diffusion.checkpoints import load_dit  # timm: once the command line is checked
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise SamplingError(f"--out {args.out} is not empty; export into a new folder")
     overrides = {"name": args.model, "image_size": args.image_size, "num_classes": args.num_classes,
                  "autoencoder": args.vae}
     model, spec, weights = load_dit(args.checkpoint, overrides, args.weights)
-    if args.out.exists() and any(args.out.iterdir()):
-        raise SamplingError(f"--out {args.out} is not empty; export into a new folder")
     if args.format == "hub":
         from diffusion.hub import DiTModel
 

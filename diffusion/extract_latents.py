@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from common.checkpoint import weights_fingerprint
-from common.cli import one_line_errors
+from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
 from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
 from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_write_text
@@ -40,7 +40,7 @@ from diffusion.latents import (
     write_shard,
 )
 
-class ExtractionError(RuntimeError):
+class ExtractionError(InputError):
     """The output directory does not fit this run (foreign shards, missing shards)."""
 
 
@@ -54,7 +54,7 @@ class ImageFiles(Dataset):
     def __init__(self, root: str, image_size: int):
         self.root = Path(root)
         if not self.root.is_dir():
-            raise FileNotFoundError(f"--data-path {root} is not a directory")
+            raise InputNotFoundError(f"--data-path {root} is not a directory")
         try:
             self.classes, self.samples = scan_image_folder(self.root)
         except ImageFolderError as err:
@@ -83,7 +83,7 @@ def collate(items):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m diffusion.extract_latents",
         description="Encode an ImageFolder into VAE latent moments (image and horizontal flip) for DiT training. "
         "Resumable: re-run the same command after an interruption. Several GPUs: accelerate launch -m "
@@ -109,6 +109,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.image_size % 8:
         p.error("--image-size must be a multiple of 8 (the SD VAE downsamples by 8)")
+    if args.num_workers != "auto" and not args.num_workers.isdigit():
+        p.error(f"--num-workers {args.num_workers}: a number of worker processes >= 0, or auto")
     return args
 
 
@@ -135,7 +137,8 @@ def finished_shards(out: Path, shards, settings: dict):
     return done
 
 
-def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_factor: float, latent_shape) -> dict:
+def write_metadata(out: Path, num_shards: int, settings: dict, latent_shape) -> dict:
+    """``metadata.json`` from the shards on disk and the settings every shard records (which must agree)."""
     shards, skipped = [], []
     for k in range(num_shards):
         header = read_shard_header(out / shard_name(k))
@@ -147,13 +150,13 @@ def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_
         "format": FORMAT,
         "vae": json.loads(settings["vae"]),
         "vae_sha256": json.loads(settings.get("vae_sha256", "null")),
-        "scaling_factor": scaling_factor,
+        "scaling_factor": json.loads(settings["scaling_factor"]),
         "image_size": json.loads(settings["image_size"]),
         "latent_shape": list(latent_shape),
         "dtype": json.loads(settings["dtype"]),
         "views": ["image", "hflip"],
         "images": json.loads(settings.get("images", "false")),
-        "classes": list(classes),
+        "classes": json.loads(settings["classes"]),
         "count": sum(s["count"] for s in shards),
         "num_listed": json.loads(settings["num_listed"]),
         "shards": shards,
@@ -166,19 +169,21 @@ def write_metadata(out: Path, num_shards: int, settings: dict, classes, scaling_
 def extract(args) -> dict:
     from accelerate import Accelerator
 
+    files = ImageFiles(args.data_path, args.image_size)  # the input first: nothing loads for a wrong --data-path
+    if len(files) == 0:
+        raise InputNotFoundError(f"no images found under {args.data_path}")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
     vae = load_vae(args.vae, allow_download=args.allow_download, download_flag="--allow-download")
     vae_sha256 = weights_fingerprint(vae.state_dict())  # a VAE replaced at the same path must not resume
     vae = vae.to(accelerator.device).eval()
-    files = ImageFiles(args.data_path, args.image_size)
-    if len(files) == 0:
-        raise FileNotFoundError(f"no images found under {args.data_path}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    scaling_factor = float(getattr(vae.config, "scaling_factor", 0.18215))  # recorded in every shard
     settings = shard_settings(
-        vae=args.vae, vae_sha256=vae_sha256, image_size=args.image_size, shard_size=args.shard_size, dtype=args.dtype,
-        num_listed=len(files), classes=files.classes, **({"images": True} if args.images else {}),
+        vae=args.vae, vae_sha256=vae_sha256, scaling_factor=scaling_factor, image_size=args.image_size,
+        shard_size=args.shard_size, dtype=args.dtype, num_listed=len(files), classes=files.classes,
+        **({"images": True} if args.images else {}),
     )
     num_shards = math.ceil(len(files) / args.shard_size)
     mine = list(range(rank, num_shards, world))
@@ -188,7 +193,6 @@ def extract(args) -> dict:
         f"over {world} process(es); process 0 has {len(mine) - len(todo)} of its {len(mine)} shards done already"
     )
 
-    scaling_factor = float(getattr(vae.config, "scaling_factor", 0.18215))
     latent_hw = args.image_size // 2 ** (len(vae.config.block_out_channels) - 1)
     latent_shape = (vae.config.latent_channels, latent_hw, latent_hw)
     store = STORE_DTYPES[args.dtype]
@@ -225,7 +229,7 @@ def extract(args) -> dict:
     accelerator.wait_for_everyone()
     meta = None
     if accelerator.is_main_process:
-        meta = write_metadata(out, num_shards, settings, files.classes, scaling_factor, latent_shape)
+        meta = write_metadata(out, num_shards, settings, latent_shape)
         print(f"wrote {meta['count']} latents ({len(meta['skipped'])} unreadable images skipped) to {out}")
     accelerator.wait_for_everyone()
     return meta

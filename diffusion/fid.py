@@ -32,20 +32,18 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import one_line_errors
+from common.cli import ArgumentParser, one_line_errors
 from common.data import resolve_num_workers
 from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_write_text
-from diffusion.evaluation.evaluator import METRICS, compute_metrics
-from diffusion.evaluation.features import INCEPTION, FeatureExtractorError
-from diffusion.evaluation.images import open_images
-from diffusion.evaluation.metrics import ADM_IS_SPLIT_SIZE, FRECHET_METHODS, MetricsError
-from diffusion.evaluation.reference import ADM_REFERENCE_IMAGES, build_reference_statistics
+
+# diffusion.evaluation (torch-fidelity, torchvision) is imported by run(): --help and a refused command line come
+# back without it. The defaults it owns (extractor, metric names, ADM's sizes) are filled in there.
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m diffusion.fid", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m diffusion.fid", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", required=True,
                    help="generated images: folder of PNG/JPEG, .npz with arr_0 (uint8 NHWC), or fashion-mnist:SPLIT")
     p.add_argument("--reference", default=None,
@@ -56,14 +54,14 @@ def parse_args(argv=None):
                    help="expected number of sample images (e.g. 50000); a different count is an error")
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics", default=None,
-                   help=f"comma-separated, from {','.join(METRICS)} (default: fid,sfid,is,pr as far as the extractor "
+                   help="comma-separated, from fid,sfid,is,pr,kid (default: fid,sfid,is,pr as far as the extractor "
                         "and the reference allow)")
-    m.add_argument("--frechet-method", choices=FRECHET_METHODS, default="eigh",
+    m.add_argument("--frechet-method", choices=("eigh", "sqrtm"), default="eigh",
                    help="the matrix-root trace of FID/sFID: eigh (default: from symmetric eigenvalues, float64, "
                         "seconds) or sqrtm (ADM's evaluator's scipy.linalg.sqrtm: minutes at 2048-d on a CPU); "
                         "they agree to 1e-6")
-    m.add_argument("--is-split-size", type=int, default=ADM_IS_SPLIT_SIZE,
-                   help="Inception Score over consecutive splits of this many samples (ADM: 5000)")
+    m.add_argument("--is-split-size", type=int, default=None,
+                   help="Inception Score over consecutive splits of this many samples (default: ADM's 5000)")
     m.add_argument("--pr-batch-size", type=int, default=5000,
                    help="rows/columns per distance block of precision/recall (memory only; results do not change)")
     m.add_argument("--kid-subsets", type=int, default=100)
@@ -74,13 +72,14 @@ def parse_args(argv=None):
                    help="only compute the reference statistics of --samples and save them (reusable as --reference)")
     s.add_argument("--center-crop", type=int, default=None, metavar="SIZE",
                    help="read a raw image folder (any sizes) with ADM's center crop to SIZE x SIZE")
-    s.add_argument("--reference-images", type=int, default=ADM_REFERENCE_IMAGES,
-                   help="images kept in the file (arr_0, drawn at random) for precision/recall; 0: none")
+    s.add_argument("--reference-images", type=int, default=None,
+                   help="images kept in the file (arr_0, drawn at random) for precision/recall; 0: none (default: "
+                        "ADM's 10000)")
     s.add_argument("--shard-size", type=int, default=10000,
                    help="images between two saved progress points (the unit of resume)")
     g = p.add_argument_group("features")
-    g.add_argument("--feature-extractor", default=INCEPTION,
-                   help=f"torch-fidelity feature extractor: {INCEPTION} (default, ADM-compatible) or fmnist-cnn")
+    g.add_argument("--feature-extractor", default=None,
+                   help="torch-fidelity feature extractor: inception-v3-compat (default, ADM-compatible) or fmnist-cnn")
     g.add_argument("--extractor-weights", "--inception-weights", dest="weights", default=None, metavar="PATH",
                    help="weights file of the feature extractor (default: torch-fidelity's cache for Inception, "
                         "~/.cache/siamesenorm/fmnist_cnn.safetensors for fmnist-cnn)")
@@ -96,6 +95,15 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict:
+    from diffusion.evaluation.evaluator import compute_metrics
+    from diffusion.evaluation.features import INCEPTION
+    from diffusion.evaluation.images import open_images
+    from diffusion.evaluation.metrics import ADM_IS_SPLIT_SIZE, MetricsError
+    from diffusion.evaluation.reference import ADM_REFERENCE_IMAGES, build_reference_statistics
+
+    args.feature_extractor = args.feature_extractor or INCEPTION
+    args.is_split_size = ADM_IS_SPLIT_SIZE if args.is_split_size is None else args.is_split_size
+    args.reference_images = ADM_REFERENCE_IMAGES if args.reference_images is None else args.reference_images
     common = dict(feature_extractor=args.feature_extractor, weights=args.weights, feature_layer=args.feature_layer,
                   batch_size=args.batch_size, device=args.device, num_workers=resolve_num_workers(args.num_workers), progress=not args.quiet)
     if args.save_stats is not None:
@@ -142,7 +150,7 @@ def sample_and_score(checkpoint, out_dir, *, num_samples: int, steps: int, refer
 def main(argv=None, echo: bool = True) -> dict:
     args = parse_args(argv)
     use_fast_cuda_kernels()  # Inception's convolutions: cudnn's autotuner
-    with one_line_errors(MetricsError, FeatureExtractorError):
+    with one_line_errors():  # MetricsError, FeatureExtractorError, ...: InputErrors
         result = run(args)
     text = json.dumps(result, indent=2)
     if args.out is not None:

@@ -28,7 +28,6 @@ import math
 from typing import Callable, Dict, List, Optional, Union
 
 import torch
-from diffusers import DDPMScheduler
 
 Tensor = torch.Tensor
 LOG2 = math.log(2.0)
@@ -170,6 +169,8 @@ class GaussianDiffusion:
         self.learn_sigma = learn_sigma
         self.num_train_timesteps = num_train_timesteps
         self.beta_start, self.beta_end = beta_start, beta_end
+        from diffusers import DDPMScheduler  # imported here: the sampler's command line reads SPACINGS without it
+
         self.scheduler = DDPMScheduler(
             num_train_timesteps=num_train_timesteps,
             beta_schedule="linear",

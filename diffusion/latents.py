@@ -10,6 +10,11 @@ On disk (``OUT/``): ``shard_00000.safetensors`` ... with tensors ``mean`` and ``
 sorted file list), plus ``metadata.json`` (VAE, scaling factor, resolution, classes, count, shards,
 skipped files). Shard ``k`` holds the images listed at positions ``[k*S, (k+1)*S)``, minus unreadable
 files, so a shard can be recomputed alone.
+
+Every shard also carries, in its header, the settings it was made with (the VAE, its weights' fingerprint and
+**scaling factor**, the resolution, the classes, ...). :class:`LatentDataset` checks each shard against
+``metadata.json`` before training, so an edited or mismatched ``metadata.json`` cannot make a run train at
+another scale than the one its latents were made with.
 """
 from __future__ import annotations
 
@@ -25,11 +30,18 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from common.cli import InputError, InputNotFoundError
 from common.durable import atomic_write
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 METADATA_FILE = "metadata.json"
-FORMAT = "siamesenorm-latents-v1"
+FORMAT = "siamesenorm-latents-v2"  # v2: every shard records the scaling factor it was made with
+# What metadata.json states and every shard's header repeats (shard_settings): they must agree.
+SHARED_SETTINGS = ("vae", "vae_sha256", "scaling_factor", "image_size", "classes", "dtype")
+
+
+class LatentsError(InputError):
+    """Latents that cannot be trained on as they are: a damaged shard, shards that disagree with metadata.json."""
 
 
 # ------------------------------------------------------------------------------------------- images
@@ -40,7 +52,7 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- VAE
-class VAENotFoundError(FileNotFoundError):
+class VAENotFoundError(InputNotFoundError):
     """The VAE is neither a local directory nor in the Hugging Face cache."""
 
 
@@ -126,14 +138,29 @@ def shard_name(index: int) -> str:
 def read_metadata(root: Union[str, os.PathLike]) -> dict:
     path = Path(root) / METADATA_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"{path} not found: {root} is not a finished latent extraction. Run "
             "`python -m diffusion.extract_latents --data-path IMAGES --out DIR` (it resumes where it stopped)."
         )
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as err:
+        raise LatentsError(f"{path} is not valid JSON ({err}); re-run the extraction into {root} to write it "
+                           "again") from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}; re-extract the latents")
+        why = (" (its shards do not record the VAE scaling factor they were made with, so a run cannot check it)"
+               if meta.get("format") == "siamesenorm-latents-v1" else "")
+        raise LatentsError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}{why}; extract the latents "
+                           "again into a new --out with this version of `python -m diffusion.extract_latents`")
     return meta
+
+
+def rerun_hint(root: Path, meta: dict) -> str:
+    """How to rewrite what is damaged: the extraction that made the latents, run again (it redoes unreadable
+    shards only)."""
+    return (f"re-run the extraction that made them (`python -m diffusion.extract_latents --data-path IMAGES --vae "
+            f"{meta.get('vae')} --image-size {meta.get('image_size')} --dtype {meta.get('dtype')} --out {root}`, with "
+            "its --shard-size): it rewrites the damaged shards only")
 
 
 class LatentDataset(Dataset):
@@ -148,20 +175,45 @@ class LatentDataset(Dataset):
         from safetensors import safe_open
 
         self.root = Path(root)
-        self.metadata = read_metadata(root)
-        self.scaling_factor = float(self.metadata["scaling_factor"])
-        self.classes = list(self.metadata["classes"])
-        self.files = [self.root / s["file"] for s in self.metadata["shards"] if s["count"] > 0]
+        self.metadata = meta = read_metadata(root)
+        self.scaling_factor = float(meta["scaling_factor"])
+        self.classes = list(meta["classes"])
+        listed = [s for s in meta["shards"] if s["count"] > 0]
+        self.files = [self.root / s["file"] for s in listed]
         counts, labels = [], []
-        for f in self.files:
+        for f, entry in zip(self.files, listed):
             if not f.is_file():
-                raise FileNotFoundError(f"{f} listed in {self.root / METADATA_FILE} is missing; re-run the extraction")
-            with safe_open(str(f), framework="pt") as h:
-                labels.append(h.get_tensor("label"))
+                raise InputNotFoundError(f"{f} listed in {self.root / METADATA_FILE} is missing; "
+                                         f"{rerun_hint(self.root, meta)}")
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    settings = h.metadata() or {}
+                    labels.append(h.get_tensor("label"))
+            except Exception as err:  # noqa: BLE001 -- safetensors' SafetensorError, an OSError, ...: the file is bad
+                detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise LatentsError(f"{f} is damaged or truncated ({detail}); {rerun_hint(self.root, meta)}") from None
+            self._check_shard(f, settings, len(labels[-1]), entry["count"])
             counts.append(len(labels[-1]))
         self.labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
         self.offsets = np.cumsum([0] + counts).tolist()
         self._handles: dict = {}
+
+    def _check_shard(self, path: Path, settings: dict, count: int, listed: int) -> None:
+        """A shard must have been made with what metadata.json states (above all its scaling factor: training
+        multiplies every latent by it) and hold the count listed there."""
+        meta = self.metadata
+        for key in SHARED_SETTINGS:
+            made_with = json.loads(settings[key]) if key in settings else None
+            if made_with != meta.get(key):
+                shown = (lambda v: f"{len(v)} classes" if isinstance(v, list) else repr(v))  # noqa: E731
+                raise LatentsError(
+                    f"{self.root / METADATA_FILE} says {key} {shown(meta.get(key))} but {path.name} was made with "
+                    f"{shown(made_with)}: the metadata was edited or belongs to another extraction, and training "
+                    f"would use the wrong values (a latent is scaled by scaling_factor). Restore metadata.json (re-run "
+                    f"the extraction into {self.root} rewrites it from the shards), or extract again into a new --out")
+        if count != listed:
+            raise LatentsError(f"{path} holds {count} latents, {self.root / METADATA_FILE} lists {listed}: they belong "
+                               f"to different extractions; {rerun_hint(self.root, meta)}")
 
     def __len__(self) -> int:
         return self.offsets[-1]

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from timm.layers import Attention, Mlp, PatchEmbed
 
+from common.cli import InputError
 from common.checkpoint import convert_state_dict
 from common.residual import (
     LN_EPS,
@@ -244,10 +245,10 @@ class DiT(nn.Module):
         super().__init__()
         check_topology(topology, DIT_TOPOLOGIES)
         if input_size % patch_size:
-            raise ValueError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
+            raise InputError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
                              "pick a latent size that is a multiple of the patch size")
         if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+            raise InputError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
         self.input_size = input_size
         self.patch_size = patch_size
         self.in_channels = in_channels
@@ -356,7 +357,7 @@ class DiT(nn.Module):
         n = self.in_channels
         guided = n if guided_channels == "all" else guided_channels
         if not isinstance(guided, int) or isinstance(guided, bool) or not 0 < guided <= n:
-            raise ValueError(f"guided_channels must be an int in [1, {n}] or 'all', got {guided_channels!r}")
+            raise InputError(f"guided_channels must be an int in [1, {n}] or 'all', got {guided_channels!r}")
         if x.shape[0] % 2:
             raise ValueError(f"forward_with_cfg expects an even batch [conditional; unconditional], got {x.shape[0]}")
         half = x[: x.shape[0] // 2]

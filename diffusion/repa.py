@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from common.cli import InputError
 from diffusion.models import DiT
 
 Tensor = torch.Tensor
@@ -46,7 +47,7 @@ class RepaDiT(DiT):
     def __init__(self, *, align_depth: int, projector_dim: int, feature_dim: int, **dit_kwargs):
         super().__init__(**dit_kwargs)
         if not 1 <= align_depth <= len(self.blocks):
-            raise ValueError(f"repa.depth={align_depth} must lie in [1, {len(self.blocks)}] (the DiT's blocks)")
+            raise InputError(f"repa.depth={align_depth} must lie in [1, {len(self.blocks)}] (the DiT's blocks)")
         self.align_depth = align_depth
         hidden_size = self.pos_embed.shape[-1]
         self.projectors = nn.ModuleList([projector(hidden_size, projector_dim, feature_dim)])

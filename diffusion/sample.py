@@ -47,32 +47,69 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from common.checkpoint import weights_fingerprint
-from common.cli import one_line_errors
+from common.cli import ArgumentParser, one_line_errors
 from common.distributed import use_fast_cuda_kernels
 from diffusion.gaussian_diffusion import SPACINGS
-from diffusion.checkpoints import load_dit
-from diffusion.models import DIT_TOPOLOGIES, DiT_models
 from diffusion.sampling import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
                                 class_names, sampling_objective, write_grid, write_sample_set)
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
+# diffusion.models imports timm: it is imported once the command line is checked (a --model or --topology is
+# checked against it before any weights load).
 DIT_SAMPLE_LABELS = (207, 360, 387, 974, 88, 979, 417, 279)  # the official DiT sample.py classes
+
+
+def parse_labels(text: str) -> list:
+    """``--labels 207,360`` -> ``[207, 360]``; anything else is refused with the expected form."""
+    try:
+        labels = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SamplingError(f"--labels {text!r}: class numbers separated by commas, e.g. --labels 207,360,387") from None
+    if not labels:
+        raise SamplingError("--labels is empty: give class numbers separated by commas, e.g. --labels 207,360,387")
+    return labels
+
+
+def check_labels(labels, num_classes: int) -> None:
+    bad = [v for v in labels if not 0 <= v < num_classes]
+    if bad:
+        raise SamplingError(f"--labels {bad} are outside [0, {num_classes}) for this model")
+
+
+def recorded_num_classes(args) -> Optional[int]:
+    """The class count of the model to sample, from the command line or what the checkpoint records in its header
+    or config file (no weights are read); None where only loading it tells (a .pt file)."""
+    if args.num_classes is not None:
+        return args.num_classes
+    path = Path(args.checkpoint)
+    try:
+        if path.is_dir():
+            value = json.loads((path / "config.json").read_text()).get("num_classes")
+        elif path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                value = (f.metadata() or {}).get("num_classes")
+        else:
+            return None
+    except Exception:  # noqa: BLE001 -- a missing or damaged file: the loader reports it, with its fix
+        return None
+    return int(value) if value is not None else None
 
 
 def run_grid(args, sampler: Sampler) -> dict:
     num_classes = sampler.spec.num_classes
     if args.labels:
-        labels = [int(v) for v in args.labels.split(",")]
+        labels = parse_labels(args.labels)
     else:
         labels = list(DIT_SAMPLE_LABELS) if num_classes == 1000 else list(range(num_classes))
-    bad = [v for v in labels if not 0 <= v < num_classes]
-    if bad:
-        raise SamplingError(f"--labels {bad} are outside [0, {num_classes}) for this model")
+    check_labels(labels, num_classes)
     images = torch.cat([sampler(torch.arange(i, min(i + args.batch_size, len(labels))),
                                 torch.tensor(labels[i: i + args.batch_size]))
                         for i in range(0, len(labels), args.batch_size)])
@@ -94,8 +131,8 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
 # ------------------------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m diffusion.sample", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m diffusion.sample", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="ema.safetensors / step_*.pt of diffusion.train, or a state dict")
     p.add_argument("--weights", default=None, help="entry of a training checkpoint to sample (default: ema)")
     out = p.add_argument_group("output (one of)")
@@ -139,11 +176,13 @@ def parse_args(argv=None):
     s.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="the model's forward: fp32, or bf16 autocast (docs/sampling-and-fid.md: what it does to FID)")
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
-    m.add_argument("--model", default=None, help=f"one of {', '.join(DiT_models)}; SiT-XL/2 etc.: that DiT trained "
-                                                 "with SiT's transport (linear path, velocity), as SiT's checkpoints")
+    m.add_argument("--model", default=None, help="a DiT of diffusion.models.DiT_models: DiT-{S,B,L,XL}/{2,4,8}, e.g. "
+                                                 "DiT-XL/2; SiT-XL/2 etc.: that DiT trained with SiT's transport "
+                                                 "(linear path, velocity), as SiT's checkpoints")
     m.add_argument("--path", choices=PATHS, default=None, help="a transport model's path (plain SiT checkpoints)")
     m.add_argument("--prediction", choices=PREDICTIONS, default=None, help="a transport model's prediction")
-    m.add_argument("--topology", choices=DIT_TOPOLOGIES, default=None)
+    m.add_argument("--topology", default=None, help="pre (the published DiT), post, siamese, mixln, residual, deepnorm, "
+                                                    "hc, mhc, attnres or attnres_block")
     m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
@@ -153,6 +192,9 @@ def parse_args(argv=None):
 
 
 def check_args(args) -> None:
+    if not Path(args.checkpoint).exists():
+        raise SamplingError(f"--checkpoint {args.checkpoint} does not exist: pass an ema.safetensors or step_*.pt of "
+                            "diffusion.train, a folder of diffusion.export, or a state dict")
     if (args.grid is None) == (args.num_samples is None):
         raise SamplingError("choose one output: --grid PATH.png, or --num-samples N with --out-dir DIR")
     if args.num_samples is not None:
@@ -170,6 +212,19 @@ def check_args(args) -> None:
         except ValueError:
             raise SamplingError(f"--guidance-interval {args.guidance_interval!r}: two numbers LOW,HIGH, e.g. 0.3,1") from None
         args.guidance_interval = (low, high)
+    if args.labels is not None:
+        labels = parse_labels(args.labels)
+        num_classes = recorded_num_classes(args)
+        if num_classes is not None:
+            check_labels(labels, num_classes)  # before any weights load
+    if args.model is not None or args.topology is not None:
+        from diffusion.models import DIT_TOPOLOGIES, DiT_models
+
+        dit = None if args.model is None else args.model.replace("SiT-", "DiT-", 1)  # SiT-*: that DiT
+        if dit is not None and dit not in DiT_models:
+            raise SamplingError(f"--model {args.model!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+        if args.topology is not None and args.topology not in DIT_TOPOLOGIES:
+            raise SamplingError(f"--topology {args.topology!r}: choose one of {', '.join(DIT_TOPOLOGIES)}")
 
 
 def flow_options(args) -> dict:
@@ -201,10 +256,12 @@ def build_objective(args, spec):
 
 def main(argv=None) -> Optional[dict]:
     args = parse_args(argv)
-    from accelerate import PartialState
-
     with one_line_errors(SamplingError):
-        check_args(args)
+        check_args(args)  # before anything heavy is imported or loaded
+        from accelerate import PartialState
+
+        from diffusion.checkpoints import load_dit  # timm
+
         state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
         device = args.device or str(state.device)
         use_fast_cuda_kernels()  # TF32 as DiT's sample.py, cudnn's autotuner for the VAE
@@ -212,6 +269,8 @@ def main(argv=None) -> Optional[dict]:
         overrides = {"name": args.model, "topology": args.topology, "image_size": args.image_size,
                      "num_classes": args.num_classes, "autoencoder": args.vae, "transport": transport}
         model, spec, args.weights_used = load_dit(args.checkpoint, overrides, args.weights)
+        if args.labels is not None:
+            check_labels(parse_labels(args.labels), spec.num_classes)  # before the VAE loads
         args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
         objective, flow = build_objective(args, spec)
         decoder = Decoder(spec.autoencoder, device, expect=vars(spec))

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -28,12 +28,13 @@ import torch
 from common.checkpoint import weights_fingerprint
 from common.cli import InputError
 from common.durable import atomic_savez, atomic_write, atomic_write_text
-from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE, SAMPLING_PROTOCOL_KEY, images_to_uint8
-from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.latents import load_vae
-from diffusion.models import DiT
-from diffusion.spec import DiTSpec
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, shift_times, times
+
+if TYPE_CHECKING:  # timm, diffusers, torch-fidelity: imported where they are used (the command line needs none)
+    from diffusion.gaussian_diffusion import GaussianDiffusion
+    from diffusion.models import DiT
+    from diffusion.spec import DiTSpec
 
 Tensor = torch.Tensor
 SAMPLERS = ("ddpm", "ddim")  # a DDPM model's (GaussianDiffusion)
@@ -410,6 +411,8 @@ class Decoder:
             finite = torch.isfinite(x)
             self.nonfinite_images += int((~finite).flatten(1).any(dim=1).sum())
             x = torch.where(finite, x, -1.0)
+        from diffusion.evaluation.images import images_to_uint8
+
         return images_to_uint8(x.clamp(-1.0, 1.0).cpu())  # with nonfinite="raise", NaN samples raise here
 
 
@@ -497,6 +500,8 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 def write_adm_npz(path: Path, chunk_files: Sequence[Path], count: int, image_shape: Sequence[int], protocol: dict) -> None:
     """``arr_0`` (uint8 [N, H, W, C]), ``arr_1`` (labels) and the protocol, streamed chunk by chunk, so the
     file can be larger than memory (np.savez needs the whole array)."""
+    from diffusion.evaluation.images import SAMPLING_PROTOCOL_KEY
+
     labels = []
     with atomic_write(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         with zf.open("arr_0.npy", "w", force_zip64=True) as f:
@@ -515,6 +520,8 @@ def write_pngs(folder: Path, chunk_files: Sequence[Path], protocol: dict) -> Non
     """One PNG per sample, each written atomically; all are rewritten from the chunks (the source of truth), so
     files left by an interrupted earlier run are never trusted."""
     from PIL import Image
+
+    from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE
 
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("*.tmp"):  # a kill while writing a PNG leaves only its temporary file
@@ -579,6 +586,8 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
+
+    from diffusion.evaluation.images import SAMPLING_PROTOCOL_FILE
 
     chunks = [chunk_path(out_dir, k) for k in range(num_chunks)]
     missing = [str(c) for c in chunks if not c.exists()]

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from common.cli import InputError
 from common.residual import check_topology
 from diffusion.models import DIT_CONFIGS, DIT_TOPOLOGIES, DiT, DiT_models
 
@@ -26,13 +27,13 @@ def check_dit_arguments(name: str, topology: str, class_dropout_prob: float, kwa
     """What a DiT description may hold (a config's ``model:`` section, a checkpoint's metadata)."""
     check_topology(topology, DIT_TOPOLOGIES)
     if name not in DiT_models:
-        raise ValueError(f"{where}name={name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+        raise InputError(f"{where}name={name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
     if not 0.0 <= class_dropout_prob < 1.0:
-        raise ValueError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
+        raise InputError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
     allowed = [p for p in inspect.signature(DiT).parameters if p not in SPEC_OWN]
     unknown = [k for k in kwargs if k not in allowed]
     if unknown:
-        raise ValueError(f"{where}kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
+        raise InputError(f"{where}kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
 
 
 @dataclass
@@ -65,7 +66,7 @@ class DiTSpec:
     def __post_init__(self):
         check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs, where="")
         if self.class_names is not None and len(self.class_names) != self.num_classes:
-            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+            raise InputError(f"{len(self.class_names)} class names for {self.num_classes} classes")
 
     @classmethod
     def published(cls, name: str, **values) -> "DiTSpec":
@@ -156,9 +157,9 @@ class DiTSpec:
         """Command-line values over what the checkpoint records over the published DiT's values."""
         values = {**found, **{k: v for k, v in (overrides or {}).items() if v is not None}}
         if "name" not in values:
-            raise ValueError("this checkpoint does not say which model it holds (a plain state dict such as the "
+            raise InputError("this checkpoint does not say which model it holds (a plain state dict such as the "
                              f"official DiT-XL-2-256x256.pt): pass --model (one of {', '.join(DiT_models)}) and "
                              "--image-size")
         if values["name"] not in DiT_models:
-            raise ValueError(f"--model {values['name']!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+            raise InputError(f"--model {values['name']!r} is not a DiT; choose one of {', '.join(DiT_models)}")
         return cls.published(**values)

@@ -15,19 +15,20 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Dict, List, Literal, Optional
 
 import numpy as np
 import torch
-from PIL import Image
 
 from common import trainer
-from common.config import config_to_dict
+from common.config import ConfigError, Range, config_to_dict
 from common.data import resolve_num_workers
 from diffusion.data import DataConfig, DiffusionExamples, build_images
-from diffusion.sampling import Decoder, Sampler, balanced_labels, class_names, sampling_objective, write_grid
-from diffusion.spec import DiTSpec, check_dit_arguments
 from diffusion.transport import Transport, transport_from_config
+
+if TYPE_CHECKING:  # timm, diffusers, torch-fidelity: imported where they are used, so that the settings load without
+    from diffusion.sampling import Decoder, Sampler
+    from diffusion.spec import DiTSpec
 
 
 @dataclass(kw_only=True)
@@ -35,19 +36,29 @@ class ModelConfig:
     name: str  # a key of diffusion.models.DiT_models
     topology: str  # one of diffusion.models.DIT_TOPOLOGIES
     learn_sigma: bool  # 2C outputs and the MSE+VLB loss; false: C outputs, plain MSE
-    class_dropout_prob: float  # label dropout for classifier-free guidance
+    class_dropout_prob: Annotated[float, Range(ge=0, lt=1)]  # label dropout for classifier-free guidance
     grad_checkpointing: bool = False  # recompute blocks in the backward pass (less memory)
     kwargs: Dict[str, Any] = field(default_factory=dict)  # further DiT arguments (hidden_size, depth, ...)
 
-    def __post_init__(self):
-        check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs)
+    def check_registered(self) -> None:
+        """The name, topology and arguments against diffusion.models (which imports timm)."""
+        from diffusion.spec import check_dit_arguments
+
+        try:
+            check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs)
+        except ValueError as err:  # check_dit_arguments's contract: a ValueError names what the description gets wrong
+            raise ConfigError(str(err)) from None
 
 
 @dataclass(kw_only=True)
 class DiffusionConfig:
-    num_timesteps: int  # linear betas from beta_start to beta_end
-    beta_start: float
-    beta_end: float
+    num_timesteps: Annotated[int, Range(ge=2)]  # linear betas from beta_start to beta_end
+    beta_start: Annotated[float, Range(gt=0, lt=1)]
+    beta_end: Annotated[float, Range(gt=0, lt=1)]
+
+    def __post_init__(self):
+        if self.beta_start > self.beta_end:
+            raise ConfigError(f"diffusion.beta_start={self.beta_start} must not exceed diffusion.beta_end={self.beta_end}")
 
 
 @dataclass(kw_only=True)
@@ -71,7 +82,7 @@ class TransportConfig:
         if self.time_distribution == "logit_normal":
             missing += [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
         if missing:
-            raise ValueError(f"transport.enabled=true needs transport.{', transport.'.join(missing)} (configs/"
+            raise ConfigError(f"transport.enabled=true needs transport.{', transport.'.join(missing)} (configs/"
                              "sit.yaml sets SiT's)")
         transport_from_config(config_to_dict(self))  # a value the transport refuses fails here, before training
 
@@ -92,11 +103,11 @@ class RepaConfig:
 
     def __post_init__(self):
         if self.weight < 0:
-            raise ValueError(f"repa.weight={self.weight} must be >= 0 (0: no alignment)")
+            raise ConfigError(f"repa.weight={self.weight} must be >= 0 (0: no alignment)")
         missing = [k for k in ("depth", "encoder", "encoder_weights", "encoder_image_size", "projector_dim")
                    if self.weight and getattr(self, k) is None]
         if missing:
-            raise ValueError(f"repa.weight > 0 needs repa.{', repa.'.join(missing)} (configs/repa.yaml sets "
+            raise ConfigError(f"repa.weight > 0 needs repa.{', repa.'.join(missing)} (configs/repa.yaml sets "
                              "REPA's; repa.encoder_weights is your file of the encoder's weights)")
 
 
@@ -104,51 +115,41 @@ class RepaConfig:
 class OptimConfig(trainer.OptimConfig):
     """AdamW at a constant learning rate, as DiT."""
 
-    lr: float  # constant
-    steps: int
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.steps < 1 or self.lr <= 0:
-            raise ValueError(f"optim.steps={self.steps} must be >= 1 and optim.lr={self.lr} positive")
+    lr: Annotated[float, Range(gt=0)]  # constant
+    steps: Annotated[int, Range(ge=1)]
 
 
 @dataclass(kw_only=True)
 class RunConfig(trainer.RunConfig):
     output_dir: str = "runs/dit"
-    sample_every: int = 0  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
-    sample_count: int  # images in a grid
-    sample_steps: int  # respaced DDPM steps (transport: SiT's num_steps, the time grid's points) for the grids
+    sample_every: Annotated[int, Range(ge=0)] = 0  # EMA sample grid every N steps (and at the end); 0 = never (no VAE needed)
+    sample_count: Annotated[int, Range(ge=1)]  # images in a grid
+    sample_steps: Annotated[int, Range(ge=1)]  # respaced DDPM steps (transport: SiT's num_steps, the time grid's points) for the grids
     sampler: Optional[str] = None  # grids and FID; null: ddpm (DDPM) or sde-euler (transport); else diffusion.sample's --sampler
-    sample_cfg_scale: float = 1.0  # classifier-free guidance for the grids (1 = none)
-    fid_every: int = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
-    fid_samples: int  # images generated per evaluation (class i % num_classes, as diffusion.sample)
-    fid_steps: int  # respaced DDPM steps (transport: the time grid's points), no guidance
-    fid_batch_size: int = 64  # samples per forward pass (diffusion.sample's --batch-size default)
+    sample_cfg_scale: Annotated[float, Range(ge=0)] = 1.0  # classifier-free guidance for the grids (1 = none)
+    fid_every: Annotated[int, Range(ge=0)] = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
+    fid_samples: Annotated[int, Range(ge=2, why="a covariance needs two samples")]  # images generated per evaluation (class i % num_classes, as diffusion.sample)
+    fid_steps: Annotated[int, Range(ge=1)]  # respaced DDPM steps (transport: the time grid's points), no guidance
+    fid_batch_size: Annotated[int, Range(ge=1)] = 64  # samples per forward pass (diffusion.sample's --batch-size default)
     fid_reference: Optional[str] = None  # fashion-mnist:test, image folder, .npz images, or statistics .npz (ADM's)
     fid_feature_extractor: str  # inception-v3-compat (ADM's), or fmnist-cnn (the CPU recipe)
     fid_extractor_weights: Optional[str] = None  # weights file; null: the extractor's cache (see diffusion.fid)
     fid_precision: Literal["fp32", "bf16"] = "fp32"  # the model's forward when sampling for FID (diffusion.sample's --precision)
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.fid_every and not self.fid_reference:
+            raise ConfigError("train.fid_every > 0 needs train.fid_reference: fashion-mnist:test, an image folder, an "
+                              ".npz of images, or a statistics .npz (e.g. ADM's VIRTUAL_imagenet256_labeled.npz); "
+                              "or set train.fid_every=0")
+
+    def check_registered(self) -> None:
+        """The feature extractor against torch-fidelity's registry (with ours registered)."""
         from diffusion.evaluation.features import FEATURE_EXTRACTORS_REGISTRY
 
-        super().__post_init__()
-        if self.sample_every < 0 or self.sample_count < 1 or self.sample_steps < 1:
-            raise ValueError(f"train.sample_every={self.sample_every} must be >= 0 (0: no grids), train.sample_count="
-                             f"{self.sample_count} and train.sample_steps={self.sample_steps} >= 1")
-        if self.fid_every < 0:
-            raise ValueError(f"train.fid_every={self.fid_every}: a number of steps, or 0 for no in-training FID")
-        if self.fid_every and not self.fid_reference:
-            raise ValueError("train.fid_every > 0 needs train.fid_reference: fashion-mnist:test, an image folder, an "
-                             ".npz of images, or a statistics .npz (e.g. ADM's VIRTUAL_imagenet256_labeled.npz); "
-                             "or set train.fid_every=0")
-        if self.fid_samples < 2 or self.fid_steps < 1 or self.fid_batch_size < 1:
-            raise ValueError(f"train.fid_samples={self.fid_samples} must be >= 2, train.fid_steps={self.fid_steps} "
-                             f"and train.fid_batch_size={self.fid_batch_size} >= 1")
         if self.fid_feature_extractor not in FEATURE_EXTRACTORS_REGISTRY:
-            raise ValueError(f"train.fid_feature_extractor={self.fid_feature_extractor!r} is not registered; "
-                             f"choose one of {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}")
+            raise ConfigError(f"train.fid_feature_extractor={self.fid_feature_extractor!r} is not registered; "
+                              f"choose one of {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}")
 
 
 @dataclass
@@ -172,12 +173,16 @@ class TrainConfig:
         allowed = TRANSPORT_SAMPLERS if self.transport.enabled else SAMPLERS
         if self.train.sampler is not None and self.train.sampler not in allowed:
             kind = "transport" if self.transport.enabled else "DDPM"
-            raise ValueError(f"train.sampler={self.train.sampler!r} does not sample a {kind} model; choose one of "
+            raise ConfigError(f"train.sampler={self.train.sampler!r} does not sample a {kind} model; choose one of "
                              f"{', '.join(allowed)} (null: {'sde-euler' if self.transport.enabled else 'ddpm'})")
         if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
                 self.train.sample_every or self.train.fid_every):
-            raise ValueError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
-                             "the latents); or set train.sample_every=0 and train.fid_every=0 to train without a VAE")
+            raise ConfigError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
+                              "the latents); or set train.sample_every=0 and train.fid_every=0 to train without a VAE")
+        for name in ("sample_steps", "fid_steps"):  # DDPM respaces the training schedule: at most all its steps
+            if not self.transport.enabled and getattr(self.train, name) > self.diffusion.num_timesteps:
+                raise ConfigError(f"train.{name}={getattr(self.train, name)} exceeds diffusion.num_timesteps="
+                                  f"{self.diffusion.num_timesteps}: sampling respaces the training steps")
 
 
 def latent_vae(images) -> dict:
@@ -190,6 +195,8 @@ def latent_vae(images) -> dict:
 
 def model_spec(cfg: TrainConfig, images) -> DiTSpec:
     """The trained model's description, from the config and the data: what the weights' metadata records."""
+    from diffusion.spec import DiTSpec
+
     names = getattr(images, "classes", None)
     found = DiTSpec.from_train_config(config_to_dict(cfg), tuple(images[0][0].shape), latent_vae(images),
                                       names if names is not None and len(names) == cfg.data.num_classes else None)
@@ -200,18 +207,23 @@ def model_spec(cfg: TrainConfig, images) -> DiTSpec:
 def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
     """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once, checked against the VAE of the
     latents, and drawing non-finite samples black (a grid or FID never stops a run)."""
+    from diffusion.latents import VAENotFoundError
+    from diffusion.sampling import Decoder
+
     try:
         return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
                        made_with=f"the latents in {cfg.data.path} were encoded with")
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} Or set train.sample_every=0 and train.fid_every=0 to train without "
-                                "sample grids and in-training FID.") from err
+    except VAENotFoundError as err:
+        raise VAENotFoundError(f"{err} Or set train.sample_every=0 and train.fid_every=0 to train without "
+                               "sample grids and in-training FID.") from err
 
 
 def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
                   cfg_scale: float = 1.0, precision: str = "fp32", sampler: Optional[str] = None) -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
+    from diffusion.sampling import Sampler, sampling_objective
+
     objective, name, flow = sampling_objective(spec, steps, sampler)
     return Sampler(ema_model, spec, decoder, objective, name, cfg_scale=cfg_scale, seed=seed, device=str(device),
                    precision=precision, flow=flow)
@@ -231,6 +243,8 @@ def eval_mode(model):
 @torch.no_grad()
 def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
     """Sample ``i`` of class ``i % num_classes``, fixed noise: the same grid at every step, upscaled and labelled."""
+    from diffusion.sampling import write_grid
+
     indices = torch.arange(cfg.train.sample_count)
     labels = indices % cfg.data.num_classes
     before = sampler.decoder.nonfinite_images
@@ -273,6 +287,7 @@ class InTrainingFid:
     def __call__(self, sampler, accelerator) -> Optional[dict]:
         """``fid/...`` metrics on the main process, None on the others."""
         from common.distributed import gather_objects
+        from diffusion.sampling import balanced_labels
 
         start = time.perf_counter()
         chunks = list(torch.arange(self.cfg.fid_samples).split(self.cfg.fid_batch_size))
@@ -316,7 +331,7 @@ class DiTTask(trainer.Task):
             self.loss_parts = (*self.loss_parts, "repa")
         self.last_fid: dict = {}
         if cfg.model.class_dropout_prob == 0 and cfg.train.sample_cfg_scale != 1.0 and cfg.train.sample_every:
-            raise ValueError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
+            raise ConfigError("train.sample_cfg_scale needs a null class: set model.class_dropout_prob > 0")
 
     def setup(self, accelerator) -> None:
         cfg = self.cfg
@@ -356,7 +371,7 @@ class DiTTask(trainer.Task):
             model = RepaDiT(align_depth=repa.depth, projector_dim=repa.projector_dim,
                             feature_dim=self.encoder.feature_dim, **self.spec.dit_kwargs())
             if model.x_embedder.num_patches != self.encoder.num_tokens:
-                raise ValueError(f"REPA aligns token by token: the DiT has {model.x_embedder.num_patches} tokens, "
+                raise ConfigError(f"REPA aligns token by token: the DiT has {model.x_embedder.num_patches} tokens, "
                                  f"{repa.encoder} at {repa.encoder_image_size} px gives {self.encoder.num_tokens}; "
                                  "choose repa.encoder_image_size (or the patch sizes) so that they agree")
         else:
@@ -392,6 +407,8 @@ class DiTTask(trainer.Task):
     def _build_samplers(self, ctx: trainer.StepContext) -> None:
         """The samplers, once, when first needed: the grid sampler on the main process, the FID sampler on every
         process (in-training FID samples on all of them)."""
+        from diffusion.sampling import class_names
+
         cfg, run, device = self.cfg, self.cfg.train, self.accelerator.device
         self._samplers_built = True
         main = self.accelerator.is_main_process
@@ -418,6 +435,8 @@ class DiTTask(trainer.Task):
             self._build_samplers(ctx)
         metrics = None
         if grid and self.accelerator.is_main_process:
+            from PIL import Image
+
             path = ctx.run_dir / "samples" / f"step_{step:07d}.png"
             save_grid(self.grid_sampler, self.cfg, path, self.grid_names)
             with Image.open(path) as image:

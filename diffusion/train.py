@@ -15,8 +15,6 @@ and ``final_metrics.json``. The loop itself is :mod:`common.trainer`; DiT's piec
 """
 from __future__ import annotations
 
-import sys
-
 from common.trainer import Trainer, run_cli
 from diffusion.task import DiTTask, TrainConfig
 
@@ -36,4 +34,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from common.cli import InputError
 from diffusion.gaussian_diffusion import mean_flat
 
 Tensor = torch.Tensor
@@ -121,7 +122,7 @@ def default_eps(path: str, prediction: str, train_eps: Optional[float], sample_e
     if prediction != "velocity":
         return (1e-3 if train_eps is None else train_eps), (1e-3 if sample_eps is None else sample_eps)
     if train_eps or sample_eps:
-        raise ValueError(f"train_eps={train_eps}, sample_eps={sample_eps}: velocity on the {path} path is stable at "
+        raise InputError(f"train_eps={train_eps}, sample_eps={sample_eps}: velocity on the {path} path is stable at "
                          "both ends and uses none (SiT's rule); leave them null or 0")
     return 0.0, 0.0
 
@@ -155,9 +156,9 @@ class Transport:
                                      ("loss_weight", loss_weight, LOSS_WEIGHTS),
                                      ("time_distribution", time_distribution, TIME_DISTRIBUTIONS)):
             if value not in allowed:
-                raise ValueError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
+                raise InputError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
         if logit_normal_std <= 0:
-            raise ValueError(f"logit_normal_std={logit_normal_std} must be positive")
+            raise InputError(f"logit_normal_std={logit_normal_std} must be positive")
         self.path_name, self.prediction, self.loss_weight = path, prediction, loss_weight
         self.path = PATH_CLASSES[path]()
         self.train_eps, self.sample_eps = default_eps(path, prediction, train_eps, sample_eps)
@@ -271,7 +272,7 @@ class Transport:
             return 0.25 * (norm * torch.cos(math.pi * t) + 1) ** 2
         if form == "increasing-decreasing":
             return norm * torch.sin(math.pi * t) ** 2
-        raise ValueError(f"diffusion form {form!r}; choose one of {', '.join(DIFFUSION_FORMS)}")
+        raise InputError(f"diffusion form {form!r}; choose one of {', '.join(DIFFUSION_FORMS)}")
 
     def sde_drift(self, out: Tensor, x: Tensor, t: Tensor, form: str, norm: float) -> Tensor:
         """``v + w_t s``: the drift of the SDE that keeps the path's marginals."""
@@ -325,7 +326,7 @@ class Transport:
             t_b = expand_like(tb, x)
             alpha, sigma = self.path.alpha(t_b)[0], self.path.sigma(t_b)[0]
             return x / alpha + sigma ** 2 / alpha * self.score(out, x, tb)
-        raise ValueError(f"last step {kind!r}; choose one of {', '.join(LAST_STEPS)}")
+        raise InputError(f"last step {kind!r}; choose one of {', '.join(LAST_STEPS)}")
 
 
 def transport_from_config(section: Dict[str, object]) -> Transport:

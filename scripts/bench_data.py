@@ -112,8 +112,8 @@ def write_latents(root: Path, count: int, shard_size: int, latent_shape=(4, 32, 
 
     gen = torch.Generator().manual_seed(seed)
     root.mkdir(parents=True, exist_ok=True)
-    settings = shard_settings(vae="bench", image_size=8 * latent_shape[-1], shard_size=shard_size, dtype="float16",
-                              num_listed=count)
+    settings = shard_settings(vae="bench", scaling_factor=0.18215, image_size=8 * latent_shape[-1], shard_size=shard_size,
+                              dtype="float16", num_listed=count, classes=[f"c{i}" for i in range(1000)])
     shards = range(0, count, shard_size)
     for k, start in enumerate(shards):
         n = min(shard_size, count - start)
@@ -121,7 +121,7 @@ def write_latents(root: Path, count: int, shard_size: int, latent_shape=(4, 32, 
         logvar = (torch.randn(n, 2, *latent_shape, generator=gen) - 4).half()
         write_shard(root / shard_name(k), mean, logvar, torch.randint(0, 1000, (n,), generator=gen),
                     torch.arange(start, start + n), [], settings)
-    write_metadata(root, len(shards), settings, [f"c{i}" for i in range(1000)], 0.18215, latent_shape)
+    write_metadata(root, len(shards), settings, latent_shape)
 
 
 # ----------------------------------------------------------------------------- timing

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from common.checkpoint import load_weights
+from common.cli import InputNotFoundError
 from common.config import load_config
 from common.diagnostics import (PathLike, grad_norm_trace, hidden_state_norms, layer_removal, stream_contribution,
                                 write_diagnostic)
@@ -37,7 +38,7 @@ def diagnose_deit_run(run_dir: PathLike, max_images: Optional[int] = 1000, batch
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / weights).is_file():
-        raise FileNotFoundError(f"{run_dir} is not a finished vision.train run (needs config.yaml and {weights})")
+        raise InputNotFoundError(f"{run_dir} is not a finished vision.train run (needs config.yaml and {weights})")
     cfg = load_config(TrainConfig, run_dir / "config.yaml")
     if max_images is not None:
         cfg.data.max_val_samples = max_images
@@ -72,7 +73,7 @@ def diagnose_dit_run(run_dir: PathLike, max_images: Optional[int] = 256) -> Dict
 
     run_dir = Path(run_dir)
     if not (run_dir / "ema.safetensors").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a finished diffusion.train run (needs ema.safetensors)")
+        raise InputNotFoundError(f"{run_dir} is not a finished diffusion.train run (needs ema.safetensors)")
     model, spec, _ = load_dit(run_dir / "ema.safetensors")
     model.eval()
     test = PixelImages("test", spec.input_size, limit=max_images, hflip=False)

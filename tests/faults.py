@@ -10,6 +10,13 @@
 * ``step``        -- in the middle of an optimizer step (after the backward pass, before the update);
 * ``final``       -- after the final checkpoint, before the final outputs.
 
+Other faults at the same seams (the process does not kill itself):
+
+* ``sigterm_at_shutdown`` -- a real SIGTERM to itself while the finished run releases its directory, and another
+  right after it handed its stop signals back: a scheduler's signal that arrives while a finished run shuts down;
+* ``bug``         -- a plain ``ValueError`` (a bug, not bad input) raised in an optimizer step;
+* ``rank1_input`` -- an input error that only rank 1 meets, while building the run.
+
 The trainer's own code runs unchanged; only these library-level seams are wrapped. Used by tests/test_faults.py
 and by scripts/fault_suite.py (many random kill points).
 """
@@ -20,7 +27,8 @@ import runpy
 import signal
 import sys
 
-POINTS = ("ckpt_write", "ckpt_done", "weights", "step", "final")
+POINTS = ("ckpt_write", "ckpt_done", "weights", "step", "final")  # kill points
+OTHER_FAULTS = ("sigterm_at_shutdown", "bug", "rank1_input")
 
 
 def die():
@@ -28,7 +36,7 @@ def die():
 
 
 def install(point: str, nth: int) -> None:
-    from common import checkpoint, train_state, trainer
+    from common import checkpoint, preemption, train_state, trainer
 
     seen = [0]
 
@@ -86,8 +94,41 @@ def install(point: str, nth: int) -> None:
         trainer.Trainer.train_step = train_step
     elif point == "final":
         die_on_call(trainer.Trainer, "_finish")
+    elif point == "sigterm_at_shutdown":
+        original_release, original_restore = train_state.RunLock.release, preemption.StopRequests.restore
+
+        def release_after_signal(self):  # mid-shutdown: the run is finished, its directory still locked
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, to whatever handler is in place
+            return original_release(self)
+
+        def restore_then_signal(self):  # the run handed its stop signals back
+            original_restore(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        train_state.RunLock.release = release_after_signal
+        preemption.StopRequests.restore = restore_then_signal
+    elif point == "bug":
+        original_step = trainer.Trainer.train_step
+
+        def buggy_step(self, batches):
+            if hit():
+                raise ValueError("a bug in project code (tests/faults.py)")
+            return original_step(self, batches)
+
+        trainer.Trainer.train_step = buggy_step
+    elif point == "rank1_input":
+        from common.cli import InputError
+
+        original_build = trainer.Trainer._build
+
+        def build(self):
+            if self.rank == 1 and hit():
+                raise InputError("only rank 1 meets this input error (tests/faults.py); fix it there")
+            return original_build(self)
+
+        trainer.Trainer._build = build
     else:
-        raise SystemExit(f"unknown fault point {point!r}; choose one of {', '.join(POINTS)}")
+        raise SystemExit(f"unknown fault point {point!r}; choose one of {', '.join(POINTS + OTHER_FAULTS)}")
 
 
 if __name__ == "__main__":

@@ -200,6 +200,66 @@ def test_weights_trained_on_latents_refuse_another_vae_when_sampled(latents, tmp
     assert ok.returncode == 0, ok.stderr[-2000:]
 
 
+def train_on_latents(folder: Path, out: Path, *overrides) -> subprocess.CompletedProcess:
+    """``diffusion.train`` on the latents in ``folder`` without a VAE, as a user runs it."""
+    return cli("-m", "diffusion.train", "--config", "configs/dit_b2_siamese.yaml", *TINY_DIT, f"data.path={folder}",
+               "data.autoencoder=none", "data.num_classes=2", "train.sample_every=0", f"train.output_dir={out}",
+               *overrides)
+
+
+def test_a_truncated_latent_shard_is_one_line_naming_it_and_its_fix(latents, tmp_path):
+    import shutil
+
+    from diffusion.latents import LatentDataset
+
+    root, meta = latents
+    folder = Path(shutil.copytree(root / "lat", tmp_path / "lat"))
+    shard = folder / "shard_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    assert f"{shard} is damaged or truncated" in err and "re-run the extraction that made them" in err, err
+    assert f"--out {folder}" in err and "it rewrites the damaged shards only" in err
+    assert not (tmp_path / "run").exists()
+    extract(root / "images", root / "vae", folder)  # the fix the line names
+    assert len(LatentDataset(folder)) == meta["count"]
+
+
+def test_latents_carry_their_scale_and_a_metadata_that_disagrees_is_refused(latents, tmp_path):
+    """The shards record the scaling factor they were made with; an edited metadata.json, or a shard of another
+    extraction, stops the run before it trains at a scale its latents were not made with."""
+    import shutil
+
+    from safetensors import safe_open
+
+    root, meta = latents
+    for entry in meta["shards"]:
+        with safe_open(str(root / "lat" / entry["file"]), "pt") as f:
+            assert json.loads(f.metadata()["scaling_factor"]) == meta["scaling_factor"] == pytest.approx(0.18215)
+    folder = Path(shutil.copytree(root / "lat", tmp_path / "lat"))
+    edited = {**meta, "scaling_factor": 1.0}
+    (folder / "metadata.json").write_text(json.dumps(edited))
+    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    assert "says scaling_factor 1.0 but shard_00000.safetensors was made with 0.18215" in err, err
+    assert "Restore metadata.json" in err and not (tmp_path / "run").exists()
+    (folder / "metadata.json").write_text(json.dumps(meta))
+    other = tmp_path / "other_lat"
+    extract(root / "images", tiny_vae(tmp_path / "sdxl_like", scaling_factor=0.13025), other)
+    shutil.copy(other / "shard_00001.safetensors", folder / "shard_00001.safetensors")  # a shard of another extraction
+    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    assert "but shard_00001.safetensors was made with" in err and "belongs to another extraction" in err, err
+    # (latents whose shards and metadata agree train: test_grids_of_classes_imagenet_1k_does_not_know_... above)
+
+
+def test_latents_of_the_first_format_are_refused_saying_why(latents, tmp_path):
+    import shutil
+
+    root, meta = latents
+    folder = Path(shutil.copytree(root / "lat", tmp_path / "lat"))
+    (folder / "metadata.json").write_text(json.dumps({**meta, "format": "siamesenorm-latents-v1"}))
+    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    assert "do not record the VAE scaling factor they were made with" in err and "extract the latents again" in err
+
+
 def test_extraction_resume_refuses_a_vae_replaced_in_place(tmp_path):
     from diffusion.extract_latents import main as extract_main
 
@@ -286,6 +346,22 @@ def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_checkpoint_before
     kept = CheckpointManager(run_dir / "checkpoints").steps()
     assert kept and load_training_checkpoint(CheckpointManager(run_dir / "checkpoints").path_for(kept[-1]))["step"]
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_a_read_only_run_directory_is_one_line_before_any_work(small_disk):
+    from common.train_state import RunDirectoryError, RunLock
+
+    (small_disk / "runs" / "old").mkdir(parents=True)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    for out in (small_disk / "runs" / "old", small_disk / "runs" / "new"):  # an existing directory, one to be made
+        proc = cli("-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml", *DEIT,
+                   f"train.output_dir={out}")
+        err = one_line(proc)
+        assert err == (f"error: cannot write the run directory {out} (read-only file system): give train.output_dir "
+                       "a place this process may write to, or fix the permissions"), err
+        assert "epoch" not in proc.stdout and "train:" not in proc.stderr  # no data read, no step
+    with pytest.raises(RunDirectoryError, match=r"cannot write the run directory .*runs/old \(Read-only file system\)"):
+        RunLock(small_disk / "runs" / "old").acquire()  # the lock's own check, should the directory turn read-only
 
 
 def test_a_read_only_file_system_is_one_line_and_keeps_the_file(small_disk):

@@ -153,7 +153,8 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
     port, procs = str(free_port()), []
     for rank in (0, 1):
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "TORCHELASTIC_ERROR_FILE": str(tmp_path / f"errors/rank{rank}.json")}  # as srun_task.sh sets it
         procs.append(subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "train.output_dir=run"],
                                       cwd=tmp_path / f"node{rank}", env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -161,9 +162,13 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err[-2000:]
-        errors += [line for line in err.splitlines() if line.startswith("error")]
-    assert len(errors) == 2 and "the processes see different checkpoints" in errors[0]
-    assert "rank 0: step_000000002.pt, rank 1: none" in errors[0] and "Traceback" not in "".join(errors)
+        errors.append([line for line in err.splitlines() if line.startswith("error")])
+        assert "Traceback" not in err
+    assert len(errors[0]) == 1 and errors[1] == []  # said once, by rank 0; rank 1 leaves it in its error file
+    assert "the processes see different checkpoints" in errors[0][0]
+    assert "rank 0: step_000000002.pt, rank 1: none" in errors[0][0]
+    recorded = json.loads((tmp_path / "errors/rank1.json").read_text())["message"]
+    assert recorded["message"] == errors[0][0] and recorded["extraInfo"]["py_callstack"] == f"{errors[0][0]} (rank 1)"
 
 
 def test_outputs_follow_the_umask(tmp_path):
@@ -205,8 +210,10 @@ def test_accelerates_dynamo_backend_and_train_compile_are_refused_together(tmp_p
 
 SRUN = r"""#!/usr/bin/env bash
 # srun as far as a CPU machine allows: SLURM_NTASKS tasks of the command on this host, each with its SLURM ids;
-# a signal to srun goes to every task (as --signal does); the status is the highest of the tasks'.
-while [[ "$1" == --* ]]; do shift; done
+# a signal to srun goes to every task (as --signal does); --kill-on-bad-exit=1 ends the other tasks once one fails;
+# the status is the highest of the tasks'.
+kill_on_bad_exit=0
+while [[ "$1" == --* ]]; do [[ "$1" == --kill-on-bad-exit=1 ]] && kill_on_bad_exit=1; shift; done
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
   SLURM_PROCID=$i SLURM_LOCALID=$i "$@" > "$LOGS/task$i.log" 2>&1 &
@@ -214,9 +221,14 @@ for ((i = 0; i < SLURM_NTASKS; i++)); do
 done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
 status=0
-for pid in "${pids[@]}"; do
-  while true; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done
+running=("${pids[@]}")
+while (( ${#running[@]} )); do
+  ended=""
+  wait -n -p ended "${running[@]}"; rc=$?
+  [[ -z "$ended" ]] && continue  # the trap interrupted the wait
+  running=($(printf '%s\n' "${running[@]}" | grep -vx "$ended"))
   (( rc > status )) && status=$rc
+  (( rc != 0 && kill_on_bad_exit )) && kill -TERM "${running[@]}" 2>/dev/null
 done
 exit $status
 """
@@ -232,11 +244,7 @@ def test_the_slurm_script_checkpoints_on_sigterm_and_requeues_until_done(referen
     """scripts/cluster/train.sbatch run as SLURM would run it (srun and scontrol stand-ins, 2 tasks on this CPU): a
     SIGTERM before the time limit leaves a checkpoint and a requeue; the requeued job finishes; the weights equal an
     uninterrupted 2-process run's."""
-    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
-    bin_dir.mkdir(), logs.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    bin_dir, logs = slurm_stand_ins(tmp_path)
     out = tmp_path / "run"
     env = {**ENV, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "LOGS": str(logs),
            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost",
@@ -255,6 +263,34 @@ def test_the_slurm_script_checkpoints_on_sigterm_and_requeues_until_done(referen
     second = subprocess.run(["bash", *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "finished" in second.stdout, second.stdout[-3000:]
     same_weights(references["deit_2"], out)
+
+
+def slurm_stand_ins(tmp_path):
+    """``(bin folder with srun and scontrol stand-ins, logs folder)``."""
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir(), logs.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, logs
+
+
+def test_the_slurm_script_prints_an_input_error_only_another_rank_met(tmp_path):
+    """Rank 1 alone meets bad input (tests/faults.py's rank1_input) and exits 2 without printing: the job script
+    prints its message from the rank's error file; rank 0 prints no error line."""
+    bin_dir, logs = slurm_stand_ins(tmp_path)
+    env = {**ENV, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "LOGS": str(logs),
+           "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "4343", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_SUBMIT_DIR": str(ROOT), "MODULE": "tests.faults", "MASTER_PORT": str(free_port()),
+           "RANK_ERRORS": str(tmp_path / "errors")}
+    job = [str(ROOT / "scripts/cluster/train.sbatch"), "rank1_input", "1", "--", "-m", "vision.train", *DEIT,
+           f"train.output_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(["bash", *job], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "failed (exit" in proc.stdout, proc.stdout[-3000:]
+    assert ("rank 1: error: only rank 1 meets this input error (tests/faults.py); fix it there" in proc.stdout), \
+        proc.stdout[-3000:]
+    assert not [line for line in (logs / "task0.log").read_text().splitlines() if line.startswith("error")]
+    assert not [line for line in (logs / "task1.log").read_text().splitlines() if line.startswith("error")]
 
 
 PROBE = """

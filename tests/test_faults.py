@@ -131,6 +131,12 @@ def test_resume_null_does_not_start_over_on_top_of_a_run(tmp_path, capsys):
     (["train.keep_last=1"], "train.keep_last=1 must be >= 2"),
     (["optim.base_lr=.nan"], "optim.base_lr=nan must be a finite number"),
     (["data.num_workers=-1"], "data.num_workers=-1 must be >= 0"),
+    (["data.input_size=0"], "data.input_size=0 must be >= 1"),
+    (["model.drop_path=5"], "model.drop_path=5 must lie in [0, 1)"),  # at depth 2 (DEIT's model)
+    (["model.drop_path=5", "model.kwargs.depth=1"], "model.drop_path=5 must lie in [0, 1)"),  # and at depth 1
+    (["augment.hflip=2"], "augment.hflip=2 must lie in [0, 1]"),
+    (["augment.mixup=-1"], "augment.mixup=-1 must be >= 0"),
+    (["augment.scale=[0.9, 0.5]"], "augment.scale=[0.9, 0.5]: the smallest crop area comes first"),
 ])
 def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message):
     err = cli_error(deit_train.main, "fmnist_deit_siamese.yaml", *DEIT, f"train.output_dir={tmp_path}", *overrides,
@@ -141,6 +147,10 @@ def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message)
 
 @pytest.mark.parametrize("overrides, message", [
     (["optim.steps=0"], "optim.steps=0 must be >= 1"),
+    (["model.class_dropout_prob=1"], "model.class_dropout_prob=1 must lie in [0, 1)"),
+    (["diffusion.beta_end=2"], "diffusion.beta_end=2 must lie in (0, 1)"),
+    (["data.image_size=0"], "data.image_size=0 must be >= 8"),
+    (["train.sample_steps=1001"], "train.sample_steps=1001 exceeds diffusion.num_timesteps=1000"),
     (["model.topology=sandwich"], "unknown residual topology 'sandwich'"),
     (["data.path=/data/my #1 run"], "/data/my #1 run"),  # not cut at the ` #` as a YAML comment
     (["optim.lr=.inf"], "optim.lr=inf must be a finite number"),
@@ -258,6 +268,35 @@ def test_killed_at_a_chosen_moment_resumes_bit_identically(uninterrupted, tmp_pa
         assert all(torch.equal(a[k], b[k]) for k in a), (name, point)
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == json.loads((tmp_path / "final_metrics.json").read_text())["steps"]
+
+
+def faulted(point: str, nth: int, module: str, *args) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` under the fault ``point`` of tests/faults.py (a run as a user starts it)."""
+    return subprocess.run([sys.executable, "-m", "tests.faults", point, str(nth), "--", "-m", module, *args], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_sigterm_while_a_finished_run_shuts_down_leaves_exit_status_0(tmp_path):
+    """A scheduler's SIGTERM that arrives while a finished run releases its directory, and after it handed its
+    signals back: the run stays finished with status 0 (143 would read as a failed job in scripts/cluster), the
+    rerun of a finished run too."""
+    args = ["--config", str(ROOT / "configs/fmnist_deit_siamese.yaml"), *DEIT, "optim.epochs=1",
+            f"train.output_dir={tmp_path}"]
+    for attempt in ("train", "rerun of the finished run"):
+        proc = faulted("sigterm_at_shutdown", 1, "vision.train", *args)
+        assert proc.returncode == 0, (attempt, proc.returncode, proc.stderr[-2000:])
+        assert json.loads((tmp_path / "final_metrics.json").read_text())["steps"] == 3
+    assert "already finished at step 3" in proc.stdout
+
+
+def test_a_bug_keeps_its_traceback(tmp_path):
+    """A plain ValueError in project code is a bug: its traceback and status 1, not a one-line input error."""
+    proc = faulted("bug", 1, "diffusion.train", "--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *DIT,
+                   f"train.output_dir={tmp_path}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback (most recent call last)" in proc.stderr and "ValueError: a bug in project code" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error")]
 
 
 def test_a_checkpoint_from_before_a_setting_existed_still_resumes(tmp_path):

@@ -1,7 +1,7 @@
 """The augmentation of DeiT training, including the device-side engine that finishes each batch on the device.
 
-* :class:`AugmentConfig`: the ``augment:`` section of a recipe (neutral defaults; the DeiT numbers live in
-  ``configs/deit_recipe.yaml``).
+* :class:`AugmentConfig` (:mod:`vision.config`): the ``augment:`` section of a recipe (neutral defaults; the DeiT
+  numbers live in ``configs/deit_recipe.yaml``).
 * :func:`build_transform`: timm's ``create_transform`` (RandAugment, random-resized crop, random erasing;
   eval: resize ``input_size / crop_pct`` + center crop). ``use_prefetcher=True`` splits the training transform
   in two: the worker half ends in uint8 images plus the random-erasing boxes it drew, and
@@ -20,8 +20,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Literal, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torchvision.transforms.v2.functional as TF
@@ -31,27 +30,9 @@ from timm.data.mixup import cutmix_bbox_and_lam
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 
-from vision.data import DataConfig, rgb_view
-
-
-@dataclass
-class AugmentConfig:
-    """Training-time augmentation and target mixing (neutral defaults: nothing on)."""
-
-    auto_augment: Optional[str] = None  # timm policy string, DeiT: rand-m9-mstd0.5-inc1
-    color_jitter: float = 0.0  # ignored by timm when auto_augment is set
-    scale: Tuple[float, float] = (0.08, 1.0)  # random-resized-crop area range
-    hflip: float = 0.5  # horizontal flip probability
-    re_prob: float = 0.0  # random erasing probability
-    re_mode: str = "pixel"  # erased box filled with per-pixel noise (timm: const, rand, pixel)
-    re_count: int = 1  # boxes per erased image
-    repeated_aug: int = 1  # repeats of each image per epoch (DeiT: 3); 1 = off
-    mixup: float = 0.0  # mixup alpha; 0 = off
-    cutmix: float = 0.0  # cutmix alpha; 0 = off
-    mixup_prob: float = 1.0  # probability a batch is mixed
-    mixup_switch_prob: float = 0.5  # probability of cutmix instead of mixup when both are on
-    mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # one lambda per batch, pair of images, or image
-    label_smoothing: float = 0.0  # target smoothing (inside mixup's soft targets when mixing)
+from common.cli import InputError
+from vision.config import AugmentConfig, DataConfig
+from vision.data import rgb_view
 
 
 # ----------------------------------------------------------------------------- transforms and mixing
@@ -199,7 +180,7 @@ class NormalizeErase:
         self.mode = augment.re_mode.lower()
         self.erase = augment.re_prob > 0  # else every box is empty: nothing to read or fill
         if self.mode not in ("pixel", "rand", "const"):
-            raise ValueError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
+            raise InputError(f"augment.re_mode={self.mode!r}; choose pixel, rand or const")
         self._constants = {}
 
     def before_copy(self, batch):

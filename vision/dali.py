@@ -62,7 +62,7 @@ def require_dali():
 def rand_augment_args(policy: str) -> dict:
     """DALI ``rand_augment`` arguments for a timm ``rand-...`` policy string (``n``, ``m`` -> bin, ``inc``)."""
     if not policy.startswith("rand"):
-        raise ValueError(f"augment.auto_augment={policy!r}: the DALI backend has RandAugment ('rand-m9-...') only")
+        raise InputError(f"augment.auto_augment={policy!r}: the DALI backend has RandAugment ('rand-m9-...') only")
     args = {"n": 2, "m": 10.0, "monotonic_mag": False}
     for part in policy.split("-")[1:]:
         key, value = re.match(r"([a-z]+)(.*)", part).groups()
@@ -87,7 +87,7 @@ def build_pipeline(data: DataConfig, augment: AugmentConfig, batch_size: int, de
     size = data.input_size
     interp = {"bicubic": types.INTERP_CUBIC, "bilinear": types.INTERP_LINEAR}.get(data.interpolation)
     if interp is None:
-        raise ValueError(f"data.interpolation={data.interpolation!r}: the DALI backend supports bicubic or bilinear")
+        raise InputError(f"data.interpolation={data.interpolation!r}: the DALI backend supports bicubic or bilinear")
 
     @pipeline_def(enable_conditionals=True)
     def pipeline():
@@ -187,7 +187,7 @@ def build_dali_loader(dataset, sampler: ResumableSampler, batch_size: int, data:
     """:class:`DaliTrainLoader` over an ImageFolder-style dataset (its ``samples``) built by ``build_dataset``."""
     samples = getattr(dataset, "samples", None)
     if samples is None:
-        raise ValueError("data.backend=dali reads image files: use data.dataset=imagefolder (Fashion-MNIST is "
+        raise InputError("data.backend=dali reads image files: use data.dataset=imagefolder (Fashion-MNIST is "
                          "in memory; use data.backend=torch)")
     return DaliTrainLoader(samples, sampler, batch_size, data, augment or AugmentConfig(), device, seed,
                            num_threads=max(1, resolve_num_workers(data.num_workers)))

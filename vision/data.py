@@ -1,6 +1,6 @@
 """Image classification data for DeiT: ImageFolder (ImageNet layout) or Fashion-MNIST, image files, loaders.
 
-* :class:`DataConfig`: the ``data:`` section of a recipe.
+* :class:`DataConfig` (:mod:`vision.config`): the ``data:`` section of a recipe.
 * :func:`build_dataset`: ``imagefolder`` reads ``<path>/<split>/<class>/*.jpg`` (ImageNet: ``train/n01440764/
   *.JPEG``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
 * :class:`ReadableImageFolder`: an unreadable image is replaced by the next readable one, with a warning
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import multiprocessing
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -24,39 +23,11 @@ import torchvision
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+from common.cli import InputError
 from common.data import (FashionMNIST, ImageFolderError, add_note, ignore_in_workers, resolve_num_workers,
                          scan_image_folder)
-
-
-@dataclass
-class DataConfig:
-    """Where the images are and how evaluation sees them."""
-
-    dataset: Literal["imagefolder", "fashion_mnist"] = "imagefolder"  # ImageNet layout, or Fashion-MNIST (CPU)
-    path: Optional[str] = None  # imagefolder: root holding <train_split>/ and <val_split>/; fashion_mnist: optional
-    train_split: str = "train"  # sub-folder of data.path
-    val_split: str = "val"  # sub-folder of data.path
-    num_classes: int = 1000  # checked against the class folders
-    input_size: int = 224  # training crop and evaluation size, pixels
-    crop_pct: float = 0.875  # eval: resize to input_size / crop_pct, then center crop input_size
-    interpolation: str = "bicubic"  # resampling of resize and crop
-    mean: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_MEAN)  # normalisation, per RGB channel
-    std: Tuple[float, float, float] = tuple(IMAGENET_DEFAULT_STD)  # normalisation, per RGB channel
-    num_workers: Union[int, Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
-    backend: Literal["torch", "dali"] = "torch"  # dali: GPU decode and augmentation (vision.dali, pip extra [dali])
-    max_train_samples: Optional[int] = None  # keep the first N training images (quick runs, tests)
-    max_val_samples: Optional[int] = None  # evaluate on the first N val images
-
-    def __post_init__(self):
-        if self.num_workers != "auto" and self.num_workers < 0:
-            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0: load in the main process), or auto")
-        if self.dataset == "imagefolder" and not self.path:
-            raise ValueError("data.path is required for dataset=imagefolder: the directory that holds "
-                             f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"data.crop_pct={self.crop_pct} must lie in (0, 1]")
+from vision.config import DataConfig
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -151,14 +122,14 @@ def _check_image_folder(root: Path, split: str) -> Path:
     folder = root / split
     layout = _layout(root, split)
     if not root.is_dir():
-        raise FileNotFoundError(f"data.path {str(root)!r} does not exist; expected the layout {layout}")
+        raise ImageFolderError(f"data.path {str(root)!r} does not exist; expected the layout {layout}")
     if not folder.is_dir():
         present = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir())[:10]) or "nothing"
-        raise FileNotFoundError(f"{folder} is missing (found: {present}); expected the layout {layout}. "
+        raise ImageFolderError(f"{folder} is missing (found: {present}); expected the layout {layout}. "
                                 "ImageNet's val/ must be sorted into class folders too (e.g. with the "
                                 "valprep.sh script from the PyTorch ImageNet example).")
     if not any(p.is_dir() for p in folder.iterdir()):
-        raise FileNotFoundError(f"{folder} has no class sub-folders; expected the layout {layout}")
+        raise ImageFolderError(f"{folder} has no class sub-folders; expected the layout {layout}")
     return folder
 
 
@@ -170,7 +141,7 @@ def check_same_classes(train: Dataset, val: Dataset) -> None:
     only_train, only_val = [c for c in a if c not in b], [c for c in b if c not in a]
     detail = (f"only in train: {', '.join(only_train[:5]) or 'none'}; only in val: {', '.join(only_val[:5]) or 'none'}"
               if only_train or only_val else "the same names in another order")
-    raise ValueError(f"the train and val class folders differ ({detail}), so a label would mean one class in "
+    raise InputError(f"the train and val class folders differ ({detail}), so a label would mean one class in "
                      "training and another in evaluation; give both splits the same class folders")
 
 
@@ -195,7 +166,7 @@ def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[
             raise ImageFolderError(f"{err}; expected the layout {_layout(folder.parent, folder.name)}") from None
         n_classes = len(dataset.classes)
     if n_classes != cfg.num_classes:
-        raise ValueError(f"the {split} set has {n_classes} classes but data.num_classes={cfg.num_classes}; "
+        raise InputError(f"the {split} set has {n_classes} classes but data.num_classes={cfg.num_classes}; "
                          f"set data.num_classes={n_classes} (or point data.path at the right folder)")
     return dataset
 

@@ -16,7 +16,6 @@ same state-dict keys.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -33,7 +32,10 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from common.checkpoint import convert_state_dict
+from common.cli import InputError, InputNotFoundError
+from common.config import ConfigError
 from common.residual import (
+    MODEL_TOPOLOGIES,
     DyT,
     ResidualBlock,
     StreamFusion,
@@ -48,7 +50,7 @@ from common.residual import (
 )
 
 if TYPE_CHECKING:
-    from vision.data import DataConfig
+    from vision.config import DataConfig, ModelConfig
 
 Tensor = torch.Tensor
 
@@ -385,30 +387,20 @@ for _size in _SIZES:
         _register(_size, _topo)
 
 
-# ------------------------------------------------------------------- the `model:` section of a config
+# ------------------------------------------------------------------- building the model a config names
 
-@dataclass
-class ModelConfig:
-    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
-
-    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
-    drop_path: float = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
-    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
-
-    def __post_init__(self):
-        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
-        if unset:
-            raise ValueError(f"model.kwargs {unset} have no value; give each a value or leave it out")
-        if not timm.is_model(self.name):
-            close = timm.list_models(f"*{self.name.split('_')[0]}*")[:12]
-            raise ValueError(f"unknown model {self.name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
-                             "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
-                             "deit_*_patch16_224)")
-        check_model_kwargs(self.name, self.kwargs)
+def check_model_name(name: str, kwargs: dict) -> None:
+    """``model.name`` must be a timm model (ours registered) and ``model.kwargs`` its arguments: a config error
+    before any work, not a silently ignored setting. The schema itself is :class:`vision.config.ModelConfig`."""
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
+        raise ConfigError(f"unknown model {name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
+                          "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
+                          "deit_*_patch16_224)")
+    check_model_kwargs(name, kwargs)
 
 
-def build_model(model: ModelConfig, data: "DataConfig") -> nn.Module:
+def build_model(model: "ModelConfig", data: "DataConfig") -> nn.Module:
     """Create the timm model a config names (name and keyword arguments were checked with the config)."""
     kwargs = dict(model.kwargs)
     kwargs.setdefault("img_size", data.input_size)
@@ -419,7 +411,7 @@ def build_model(model: ModelConfig, data: "DataConfig") -> nn.Module:
                                  drop_path_rate=model.drop_path, **kwargs)
     except TypeError as err:
         if "unexpected keyword argument" in str(err):
-            raise ValueError(f"model.kwargs do not fit {model.name}: {err}") from None
+            raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
         raise
 
 
@@ -431,7 +423,7 @@ def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
 
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is None or not (cfg.hf_hub_id or cfg.url):
-        raise ValueError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
+        raise InputError(f"{name} has no pretrained weights in timm; pass checkpoint=FILE instead of model.pretrained=true")
     if cfg.hf_hub_id and any(isinstance(try_to_load_from_cache(cfg.hf_hub_id, f), str)
                              for f in ("model.safetensors", "pytorch_model.bin", cfg.hf_hub_filename or "model.safetensors")):
         return
@@ -440,8 +432,8 @@ def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
     except OSError:
-        raise FileNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be reached: "
-                                "pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
+        raise InputNotFoundError(f"the pretrained weights of {name} are not cached and huggingface.co cannot be "
+                                 "reached: pass the weights file with checkpoint=FILE (and model.pretrained=false)") from None
 
 
 def check_model_kwargs(name: str, kwargs: dict) -> None:
@@ -454,5 +446,8 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
         valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
     unknown = sorted(set(kwargs) - valid)
     if unknown:
-        raise ValueError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
-                         f"{', '.join(sorted(valid - {'kwargs'}))}")
+        raise ConfigError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
+                          f"{', '.join(sorted(valid - {'kwargs'}))}")
+    if "topology" in kwargs and kwargs["topology"] not in MODEL_TOPOLOGIES:
+        raise ConfigError(f"model.kwargs.topology={kwargs['topology']!r} is not a topology; choose one of "
+                          f"{', '.join(MODEL_TOPOLOGIES)}")

@@ -20,20 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from common.checkpoint import load_weights
-from common.cli import one_line_errors
-from common.config import deep_merge, from_dict, parse_overrides, read_yaml
+from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
+from common.config import ConfigError, check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
 from common.durable import atomic_write_text
-from vision.augment import build_transform
-from vision.data import DataConfig, build_dataset, build_eval_loader
-from vision.deit import ModelConfig, build_model
+from vision.config import DataConfig, EvalConfig, ModelConfig  # noqa: F401  (the settings, without timm)
 
 
 @torch.no_grad()
@@ -74,7 +70,7 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
     mine = torch.cat(unreadable).unique().tolist() if unreadable else []
     bad = sorted({i for rank in gather_objects(accelerator, mine) for i in rank if i >= 0})
     if n == 0:
-        raise ValueError("the evaluation set has no readable image")
+        raise InputError("the evaluation set has no readable image")
     result = {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n),
               "unreadable": len(bad)}
     if bad:
@@ -82,17 +78,6 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
         samples = getattr(getattr(dataset, "dataset", dataset), "samples", None)  # through the shard's Subset
         result["unreadable_files"] = [samples[i][0] if samples else i for i in bad]
     return result
-
-
-@dataclass
-class EvalConfig:
-    model: ModelConfig
-    data: DataConfig
-    checkpoint: Optional[str] = None  # .safetensors / .pt weights, or a training checkpoint step_*.pt
-    weights: Literal["model", "ema"] = "model"  # which weights of a training checkpoint
-    batch_size: int = 256
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    output: Optional[str] = None  # JSON results file (default: <checkpoint>.eval.json, or print only)
 
 
 def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
@@ -105,8 +90,13 @@ def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
 
 
 def run(cfg: EvalConfig) -> dict:
+    from common.checkpoint import load_weights
     from common.distributed import build_accelerator
+    from vision.augment import build_transform
+    from vision.data import build_dataset, build_eval_loader
+    from vision.deit import build_model
 
+    check_registered(cfg)
     accelerator = build_accelerator(cfg.precision, run_dir=None, tensorboard=False)
     model = build_model(cfg.model, cfg.data)
     if cfg.checkpoint:
@@ -131,13 +121,11 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m vision.evaluate",
-        description="Evaluate a classifier (Top-1/Top-5/loss). Settings are key=value pairs: "
-                    "model.name, model.kwargs.<k>, model.pretrained, data.dataset (imagefolder|fashion_mnist), "
-                    "data.path, data.val_split, data.num_classes, data.input_size, data.crop_pct, "
-                    "data.interpolation, checkpoint, weights (model|ema), batch_size, precision, output.",
-        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description="Evaluate a classifier (Top-1/Top-5/loss). Settings are key=value pairs (listed below), on top "
+                    "of --config.",
+        epilog=settings_epilog(EvalConfig) + "\n\n" + __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML with eval keys, or a training run's config.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. checkpoint=runs/x/model.safetensors")
     args = parser.parse_args(argv)

@@ -8,7 +8,6 @@ the final epoch, never the best one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -16,70 +15,15 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 
 from common import trainer
-from vision.data import (DataConfig, build_dataset, build_eval_loader, check_same_classes, load_rgb_tensor,
-                         unreadable_flags)
-from vision.augment import AugmentConfig, NormalizeErase, build_mixup, build_transform
-from vision.deit import ModelConfig, build_model
+from vision.augment import NormalizeErase, build_mixup, build_transform
+from vision.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: F401
+from vision.data import build_dataset, build_eval_loader, check_same_classes, load_rgb_tensor, unreadable_flags
+from vision.deit import build_model
 from vision.evaluate import evaluate
 
 # What a DeiT run reports (final_metrics.json, the demo, the studies): the raw model's Top-1, as DeiT's recipe does;
 # the EMA's is logged alongside as val_ema/top1. vision.export exports these weights unless told otherwise.
 REPORTED_METRIC, REPORTED_WEIGHTS = "val/top1", "model"
-
-
-@dataclass(kw_only=True)
-class OptimConfig(trainer.OptimConfig):
-    """AdamW with a per-step cosine schedule and linear warmup; the numbers are the recipe's
-    (configs/deit_recipe.yaml, configs/fmnist_deit.yaml)."""
-
-    base_lr: float  # peak lr at batch lr_base_batch
-    lr_base_batch: int  # lr = base_lr * batch_size / lr_base_batch (DeiT's linear scaling rule)
-    epochs: int  # passes over the training set
-    warmup_epochs: float = 0.0  # off
-    warmup_lr: Optional[float] = None  # lr at step 0 of the warmup (needed with warmup_epochs > 0)
-    min_lr: float = 0.0  # lr at the end of the cosine
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.epochs < 1:
-            raise ValueError(f"optim.epochs={self.epochs} must be >= 1")
-        if self.lr_base_batch < 1 or self.base_lr <= 0:
-            raise ValueError(f"optim.base_lr={self.base_lr} must be positive and optim.lr_base_batch="
-                             f"{self.lr_base_batch} >= 1")
-        if self.warmup_epochs > 0 and self.warmup_lr is None:
-            raise ValueError(f"optim.warmup_epochs={self.warmup_epochs} needs optim.warmup_lr (the lr it starts at)")
-
-    @property
-    def lr(self) -> float:
-        return self.base_lr * self.batch_size / self.lr_base_batch
-
-
-@dataclass
-class RunConfig(trainer.RunConfig):
-    output_dir: str = "runs/deit"
-    log_every: int = 50
-    eval_every: int = 1  # evaluate every N epochs (and always after the last); 0 = only at the end
-    eval_batch_size: int = 256  # per process
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.eval_every < 0 or self.eval_batch_size < 1:
-            raise ValueError(f"train.eval_every={self.eval_every} must be >= 0 and train.eval_batch_size="
-                             f"{self.eval_batch_size} >= 1")
-
-
-@dataclass
-class TrainConfig:
-    model: ModelConfig
-    data: DataConfig
-    optim: OptimConfig
-    augment: AugmentConfig = field(default_factory=AugmentConfig)  # off
-    train: RunConfig = field(default_factory=RunConfig)
-
-    def __post_init__(self):
-        if self.augment.mixup > 0 or self.augment.cutmix > 0:
-            if self.optim.batch_size % 2:
-                raise ValueError("mixup/cutmix mix pairs of images: optim.batch_size must be even")
 
 
 def build_criterion(augment: AugmentConfig) -> torch.nn.Module:

@@ -14,16 +14,17 @@ The loop itself is :mod:`common.trainer`; DeiT's pieces are :mod:`vision.task`.
 """
 from __future__ import annotations
 
-import sys
 
 from common.trainer import Trainer, run_cli
-from vision.task import DeiTTask, TrainConfig
+from vision.config import TrainConfig
 
 __all__ = ["TrainConfig", "train", "main"]
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or continue) the training a config describes; return the final metrics."""
+    from vision.task import DeiTTask  # timm, torchvision: loaded once the command line is checked
+
     return Trainer(cfg, DeiTTask(cfg)).fit()
 
 
@@ -35,4 +36,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -1,0 +1,153 @@
+"""DeiT's settings, every section of a ``vision.train`` recipe and of ``vision.evaluate``, with their valid values.
+
+The sections are plain dataclasses (:mod:`common.config` loads and checks them); this module imports neither
+timm nor torchvision, so that a command line is parsed, refused or described by ``--help`` before either is
+loaded. The numbers are the recipes' (``configs/deit_recipe.yaml``, ``configs/fmnist_deit.yaml``); the defaults
+here are "off" or the libraries' own. The code that uses each section: :mod:`vision.data` (``data``),
+:mod:`vision.augment` (``augment``), :mod:`vision.evaluate` (``model``, evaluation), :mod:`vision.task`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Dict, Literal, Optional, Tuple, Union
+
+from common import trainer
+from common.config import ConfigError, Range
+
+# ImageNet's channel statistics (timm's IMAGENET_DEFAULT_MEAN / _STD, written out so that the settings load without
+# timm; tests/test_vision_data.py checks them against timm's).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+Probability = Annotated[float, Range(ge=0, le=1)]
+Channel = Annotated[float, Range(ge=0, le=1)]  # a normalisation mean, on images in [0, 1]
+Spread = Annotated[float, Range(gt=0)]  # a normalisation std
+CropArea = Annotated[float, Range(gt=0, le=1)]  # a fraction of the image area
+
+
+@dataclass
+class ModelConfig:
+    """``timm.create_model(name, num_classes=data.num_classes, img_size=data.input_size, **kwargs)``."""
+
+    name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
+    drop_path: Annotated[float, Range(ge=0, lt=1)] = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
+    pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
+
+    def __post_init__(self):
+        unset = [k for k, v in self.kwargs.items() if v is None]  # timm would drop them silently
+        if unset:
+            raise ConfigError(f"model.kwargs {unset} have no value; give each a value or leave it out")
+
+    def check_registered(self) -> None:
+        """The name and keyword arguments against timm's registry (imports timm and registers our DeiTs)."""
+        from vision.deit import check_model_name
+
+        check_model_name(self.name, self.kwargs)
+
+
+@dataclass
+class DataConfig:
+    """Where the images are and how evaluation sees them."""
+
+    dataset: Literal["imagefolder", "fashion_mnist"] = "imagefolder"  # ImageNet layout, or Fashion-MNIST (CPU)
+    path: Optional[str] = None  # imagefolder: root holding <train_split>/ and <val_split>/; fashion_mnist: optional
+    train_split: str = "train"  # sub-folder of data.path
+    val_split: str = "val"  # sub-folder of data.path
+    num_classes: Annotated[int, Range(ge=1)] = 1000  # checked against the class folders
+    input_size: Annotated[int, Range(ge=1)] = 224  # training crop and evaluation size, pixels
+    crop_pct: Annotated[float, Range(gt=0, le=1)] = 0.875  # eval: resize to input_size / crop_pct, then center crop input_size
+    interpolation: str = "bicubic"  # resampling of resize and crop
+    mean: Tuple[Channel, Channel, Channel] = IMAGENET_MEAN  # normalisation, per RGB channel
+    std: Tuple[Spread, Spread, Spread] = IMAGENET_STD  # normalisation, per RGB channel
+    num_workers: Union[Annotated[int, Range(ge=0)], Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
+    backend: Literal["torch", "dali"] = "torch"  # dali: GPU decode and augmentation (vision.dali, pip extra [dali])
+    max_train_samples: Optional[Annotated[int, Range(ge=1)]] = None  # keep the first N training images (quick runs, tests)
+    max_val_samples: Optional[Annotated[int, Range(ge=1)]] = None  # evaluate on the first N val images
+
+    def __post_init__(self):
+        if self.dataset == "imagefolder" and not self.path:
+            raise ConfigError("data.path is required for dataset=imagefolder: the directory that holds "
+                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG")
+
+
+@dataclass
+class AugmentConfig:
+    """Training-time augmentation and target mixing (neutral defaults: nothing on)."""
+
+    auto_augment: Optional[str] = None  # timm policy string, DeiT: rand-m9-mstd0.5-inc1
+    color_jitter: Annotated[float, Range(ge=0)] = 0.0  # ignored by timm when auto_augment is set
+    scale: Tuple[CropArea, CropArea] = (0.08, 1.0)  # random-resized-crop area range
+    hflip: Probability = 0.5  # horizontal flip probability
+    re_prob: Probability = 0.0  # random erasing probability
+    re_mode: str = "pixel"  # erased box filled with per-pixel noise (timm: const, rand, pixel)
+    re_count: Annotated[int, Range(ge=1)] = 1  # boxes per erased image
+    repeated_aug: Annotated[int, Range(ge=1)] = 1  # repeats of each image per epoch (DeiT: 3); 1 = off
+    mixup: Annotated[float, Range(ge=0)] = 0.0  # mixup alpha; 0 = off
+    cutmix: Annotated[float, Range(ge=0)] = 0.0  # cutmix alpha; 0 = off
+    mixup_prob: Probability = 1.0  # probability a batch is mixed
+    mixup_switch_prob: Probability = 0.5  # probability of cutmix instead of mixup when both are on
+    mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # one lambda per batch, pair of images, or image
+    label_smoothing: Annotated[float, Range(ge=0, lt=1)] = 0.0  # target smoothing (inside mixup's soft targets when mixing)
+
+    def __post_init__(self):
+        if self.scale[0] > self.scale[1]:
+            raise ConfigError(f"augment.scale={list(self.scale)}: the smallest crop area comes first")
+
+
+@dataclass(kw_only=True)
+class OptimConfig(trainer.OptimConfig):
+    """AdamW with a per-step cosine schedule and linear warmup; the numbers are the recipe's
+    (configs/deit_recipe.yaml, configs/fmnist_deit.yaml)."""
+
+    base_lr: Annotated[float, Range(gt=0)]  # peak lr at batch lr_base_batch
+    lr_base_batch: Annotated[int, Range(ge=1)]  # lr = base_lr * batch_size / lr_base_batch (DeiT's linear scaling rule)
+    epochs: Annotated[int, Range(ge=1)]  # passes over the training set
+    warmup_epochs: Annotated[float, Range(ge=0)] = 0.0  # off
+    warmup_lr: Optional[Annotated[float, Range(ge=0)]] = None  # lr at step 0 of the warmup (needed with warmup_epochs > 0)
+    min_lr: Annotated[float, Range(ge=0)] = 0.0  # lr at the end of the cosine
+
+    def __post_init__(self):
+        if self.warmup_epochs > 0 and self.warmup_lr is None:
+            raise ConfigError(f"optim.warmup_epochs={self.warmup_epochs} needs optim.warmup_lr (the lr it starts at)")
+
+    @property
+    def lr(self) -> float:
+        return self.base_lr * self.batch_size / self.lr_base_batch
+
+
+@dataclass
+class RunConfig(trainer.RunConfig):
+    output_dir: str = "runs/deit"
+    log_every: Annotated[int, Range(ge=1)] = 50
+    eval_every: Annotated[int, Range(ge=0)] = 1  # evaluate every N epochs (and always after the last); 0 = only at the end
+    eval_batch_size: Annotated[int, Range(ge=1)] = 256  # per process
+
+
+@dataclass
+class TrainConfig:
+    """A DeiT training run (``python -m vision.train``)."""
+
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # off
+    train: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if self.augment.mixup > 0 or self.augment.cutmix > 0:
+            if self.optim.batch_size % 2:
+                raise ConfigError("mixup/cutmix mix pairs of images: optim.batch_size must be even")
+
+
+@dataclass
+class EvalConfig:
+    """An evaluation (``python -m vision.evaluate``): a model, its weights and a val set."""
+
+    model: ModelConfig
+    data: DataConfig
+    checkpoint: Optional[str] = None  # .safetensors / .pt weights, or a training checkpoint step_*.pt
+    weights: Literal["model", "ema"] = "model"  # which weights of a training checkpoint
+    batch_size: Annotated[int, Range(ge=1)] = 256  # images per forward pass, per process
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    output: Optional[str] = None  # JSON results file (default: <checkpoint>.eval.json, or print only)
