@@ -69,11 +69,11 @@ class TransportConfig:
     path: Optional[Literal["linear", "gvp", "vp"]] = None  # x_t = alpha_t data + sigma_t noise; required when enabled
     prediction: Optional[Literal["velocity", "noise", "score"]] = None  # the network's target; required when enabled
     loss_weight: Literal["none", "velocity", "likelihood"] = "none"  # of a noise or score loss (SiT's weights)
-    train_eps: Optional[float] = None  # gap kept from the path's singular ends; null: SiT's for path and prediction
-    sample_eps: Optional[float] = None  # the same when sampling; null: SiT's
+    train_eps: Optional[Annotated[float, Range(ge=0, lt=0.5)]] = None  # gap kept from the path's singular ends; null: SiT's for path and prediction
+    sample_eps: Optional[Annotated[float, Range(ge=0, lt=0.5)]] = None  # the same when sampling; null: SiT's
     time_distribution: Optional[Literal["uniform", "logit_normal"]] = None  # training t: SiT's uniform, LightningDiT's
-    logit_normal_mean: Optional[float] = None  # t = sigmoid(mean + std * N(0, 1)); required for logit_normal
-    logit_normal_std: Optional[float] = None
+    logit_normal_mean: Optional[Annotated[float, Range()]] = None  # t = sigmoid(mean + std * N(0, 1)); required for logit_normal
+    logit_normal_std: Optional[Annotated[float, Range(gt=0)]] = None
 
     def __post_init__(self):
         if not self.enabled:
@@ -91,19 +91,17 @@ class TransportConfig:
 class RepaConfig:
     """REPA: align the hidden state after block ``depth`` with a frozen encoder's patch features (diffusion.repa)."""
 
-    weight: float = 0.0  # the alignment loss's weight; 0: off (REPA: 0.5)
-    depth: Optional[int] = None  # the aligned block, 1-based (REPA: 8 of SiT-XL/2's 28)
+    weight: Annotated[float, Range(ge=0)] = 0.0  # the alignment loss's weight; 0: off (REPA: 0.5)
+    depth: Optional[Annotated[int, Range(ge=1)]] = None  # the aligned block, 1-based (REPA: 8 of SiT-XL/2's 28)
     encoder: Optional[str] = None  # timm name of the frozen encoder (REPA's DINOv2 ViT-B/14: vit_base_patch14_dinov2)
     encoder_weights: Optional[str] = None  # its weights file; never downloaded
-    encoder_image_size: Optional[int] = None  # the encoder's input side (REPA: 224 for 256 px images)
+    encoder_image_size: Optional[Annotated[int, Range(ge=1)]] = None  # the encoder's input side (REPA: 224 for 256 px images)
     encoder_kwargs: Dict[str, Any] = field(default_factory=dict)  # further timm.create_model arguments (sizes)
-    encoder_mean: Optional[List[float]] = None  # input normalisation; null: the timm model's (ImageNet's for DINOv2)
-    encoder_std: Optional[List[float]] = None
-    projector_dim: Optional[int] = None  # the width of REPA's 3-layer MLP projector (2048)
+    encoder_mean: Optional[List[Annotated[float, Range(ge=0, le=1)]]] = None  # input normalisation; null: the timm model's (ImageNet's for DINOv2)
+    encoder_std: Optional[List[Annotated[float, Range(gt=0)]]] = None
+    projector_dim: Optional[Annotated[int, Range(ge=1)]] = None  # the width of REPA's 3-layer MLP projector (2048)
 
     def __post_init__(self):
-        if self.weight < 0:
-            raise ConfigError(f"repa.weight={self.weight} must be >= 0 (0: no alignment)")
         missing = [k for k in ("depth", "encoder", "encoder_weights", "encoder_image_size", "projector_dim")
                    if self.weight and getattr(self, k) is None]
         if missing:

@@ -209,6 +209,9 @@ class SiameseNormVisionTransformer(VisionTransformer):
         )
         if topology == "deepnorm":
             deepnorm_init_(self.blocks)
+        if kwargs.get("device") is not None or kwargs.get("dtype") is not None:
+            # timm's factory arguments reach timm's layers; the stream and source parameters of common.residual follow
+            self.to(device=kwargs.get("device"), dtype=kwargs.get("dtype"))
 
     def _embed(self, x: Tensor) -> Tensor:
         x = self.patch_embed(x)
