@@ -361,7 +361,7 @@ class DiT(nn.Module):
         if x.shape[0] % 2:
             raise ValueError(f"forward_with_cfg expects an even batch [conditional; unconditional], got {x.shape[0]}")
         half = x[: x.shape[0] // 2]
-        return guide(self.forward(torch.cat([half, half], dim=0), t, y), cfg_scale, guided)
+        return guide(self(torch.cat([half, half], dim=0), t, y), cfg_scale, guided)  # self: a compiled model's forward
 
     @staticmethod
     def convert_state_dict(state_dict: Dict[str, Tensor], model: Optional["DiT"] = None) -> Dict[str, Tensor]:

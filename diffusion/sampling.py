@@ -402,6 +402,12 @@ class Decoder:
             f"{self.scaling_factor:g}, weights sha256 {self.fingerprint[:16]}): its decoded images would be wrong. "
             f"Point {option} at the VAE that encoded the latents")
 
+    def compile(self) -> None:
+        """``torch.compile`` the VAE's decoder in place (fixed shapes: the sampler pads its last batch)."""
+        if self.vae is not None:
+            self.vae.decoder.compile(dynamic=False)
+            self.vae.post_quant_conv.compile(dynamic=False)
+
     @torch.no_grad()
     def __call__(self, x: Tensor) -> Tensor:
         if self.vae is not None:
@@ -422,6 +428,9 @@ class Sampler:
 
     ``diffusion`` is the model's :class:`GaussianDiffusion` (DDPM, sampled by ``sampler`` ``ddpm`` or ``ddim``) or its
     :class:`~diffusion.transport.Transport` (sampled as ``flow`` says; ``sampler`` is ``flow.sampler``).
+    ``compile``: ``torch.compile`` the model and the VAE's decoder in place, once, for the shapes of the first batch;
+    a smaller batch (the last of a set) is padded to that size with copies of its last sample and cut back, so
+    nothing compiles twice. Each sample's noise comes from its own stream, so padding changes no sample.
     """
 
     model: DiT
@@ -436,6 +445,7 @@ class Sampler:
     device: str = "cpu"
     precision: str = "fp32"
     flow: Optional[FlowSampling] = None
+    compile: bool = False
 
     def __post_init__(self):
         if isinstance(self.diffusion, Transport):
@@ -444,8 +454,24 @@ class Sampler:
         else:
             self.diffusion.to(self.device)  # the schedule next to the model: no host-to-device copy per step
         autocast(self.device, self.precision)  # an unknown precision fails here, before any sampling
+        self.compiled_batch: Optional[int] = None
+        if self.compile:
+            self.model.compile(dynamic=False)
+            self.decoder.compile()
 
     def __call__(self, indices: Tensor, labels: Tensor) -> Tensor:
+        """uint8 images ``[B, C, H, W]`` of samples ``indices`` (their noise streams) of classes ``labels``."""
+        count = len(indices)
+        if self.compile:
+            self.compiled_batch = self.compiled_batch or count
+            if count < self.compiled_batch:
+                pad = self.compiled_batch - count
+                indices = torch.cat([indices, indices[-1:].expand(pad)])
+                labels = torch.cat([labels, labels[-1:].expand(pad)])
+        return self.decoder(self.latents(indices, labels))[:count]
+
+    def latents(self, indices: Tensor, labels: Tensor) -> Tensor:
+        """The chain's end (VAE latents, or pixels in [-1, 1]) for samples ``indices`` of classes ``labels``."""
         generators = sample_generators(self.seed, indices.tolist())
         labels = labels.to(self.device)
         if isinstance(self.diffusion, Transport):
@@ -458,15 +484,14 @@ class Sampler:
 
             for x in transport_chain(forward, self.diffusion, self.flow, generators, self.spec.shape, self.device):
                 pass
-            return self.decoder(x)
+            return x
         model_fn = model_fn_for(self.model, labels, self.cfg_scale, self.guided_channels)
 
         def forward(x, t):
             with autocast(self.device, self.precision):
                 return model_fn(x, t)
 
-        x = sample_loop(forward, self.diffusion, generators, self.spec.shape, self.sampler, self.eta, self.device)
-        return self.decoder(x)
+        return sample_loop(forward, self.diffusion, generators, self.spec.shape, self.sampler, self.eta, self.device)
 
     def settings(self) -> dict:
         """What this sampler makes a sample set with: recorded with the set, compared on resume."""
