@@ -147,6 +147,7 @@ class OptimConfig(trainer.OptimConfig):
     warmup_epochs: Annotated[float, Range(ge=0)] = 0.0  # off
     warmup_lr: Optional[Annotated[float, Range(ge=0)]] = None  # lr at step 0 of the warmup (needed with warmup_epochs > 0)
     min_lr: Annotated[float, Range(ge=0)] = 0.0  # lr at the end of the cosine
+    layer_decay: Optional[Annotated[float, Range(gt=0, le=1)]] = None  # layer-wise lr decay (timm's param_groups_layer_decay): block i of L gets lr * layer_decay^(L - i); null = off
 
     def __post_init__(self):
         if self.warmup_epochs > 0 and self.warmup_lr is None:
@@ -163,6 +164,14 @@ class RunConfig(trainer.RunConfig):
     log_every: Annotated[int, Range(ge=1)] = 50
     eval_every: Annotated[int, Range(ge=0)] = 1  # evaluate every N epochs (and always after the last); 0 = only at the end
     eval_batch_size: Annotated[int, Range(ge=1)] = 256  # per process
+    finetune: Optional[str] = None  # start from these weights (DeiT's --finetune): position embeddings resampled to data.input_size, heads of another class count reset
+
+    def check_registered(self) -> None:
+        if self.finetune is not None and not os.path.isfile(self.finetune):
+            from common.cli import InputNotFoundError
+
+            raise InputNotFoundError(f"train.finetune={self.finetune}: no such file; give the weights to fine-tune from "
+                                     "(model.safetensors of a run, or a timm/DeiT state dict)")
 
 
 @dataclass

@@ -31,9 +31,9 @@ from timm.models import (build_model_with_cfg, generate_default_cfgs, model_entr
                          register_notrace_function)
 from timm.models._features import feature_take_indices
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from common.checkpoint import convert_state_dict
+from common.checkpoint import CheckpointError, convert_state_dict, load_weights, read_file, unwrap_state_dict
 from common.cli import InputError, InputNotFoundError
 from common.config import ConfigError
 from common.residual import (
@@ -436,6 +436,28 @@ def build_model(model: "ModelConfig", data: "DataConfig") -> nn.Module:
         if "unexpected keyword argument" in str(err):
             raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
         raise
+
+
+def load_finetune(model: nn.Module, path: Union[str, Path]) -> List[str]:
+    """DeiT's ``--finetune``: start a ViT/DeiT from weights trained at another resolution or for another class count.
+
+    The position embedding (and a patch embedding of another patch size) is resampled to the model's grid by timm's
+    ViT ``checkpoint_filter_fn`` (bicubic, antialiased), as timm's pretrained loading does; a head whose class count
+    differs keeps its fresh initialisation, as DeiT's main.py resets it. Every other key must match. Returns the
+    reset keys.
+    """
+    state = checkpoint_filter_fn(unwrap_state_dict(read_file(path)), model, adapt_layer_scale=True)
+    own = model.state_dict()
+    reset = [k for k in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias")
+             if k in state and k in own and state[k].shape != own[k].shape]
+    for k in reset:
+        del state[k]
+    missing, unexpected = load_weights(model, state, strict=False)
+    if sorted(missing) != sorted(reset) or unexpected:
+        raise CheckpointError(f"{path} does not fit {type(model).__name__} beyond its resolution and class count: "
+                              f"missing {sorted(set(missing) - set(reset))}, unexpected {sorted(unexpected)}; check "
+                              "model.name and model.kwargs (topology, sizes)")
+    return reset
 
 
 def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:

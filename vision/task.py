@@ -86,6 +86,11 @@ class DeiTTask(trainer.Task):
 
     def build_model(self) -> torch.nn.Module:
         model = build_model(self.cfg.model, self.cfg.data)
+        if self.cfg.train.finetune:  # a resumed run then loads its own checkpoint over these weights
+            from vision.deit import load_finetune
+
+            reset = load_finetune(model, self.cfg.train.finetune)
+            self.accelerator.print(f"fine-tuning from {self.cfg.train.finetune}" + (f"; reset {', '.join(reset)}" if reset else ""))
         if self.cfg.distill.on:
             model.set_distilled_training(True)  # training returns both heads' logits; evaluation their average
         return model
