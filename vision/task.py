@@ -90,7 +90,8 @@ class DeiTTask(trainer.Task):
             from vision.deit import load_finetune
 
             reset = load_finetune(model, self.cfg.train.finetune)
-            self.accelerator.print(f"fine-tuning from {self.cfg.train.finetune}" + (f"; reset {', '.join(reset)}" if reset else ""))
+            self.accelerator.print(f"fine-tuning from {self.cfg.train.finetune}"
+                                   + (f"; reset to their initialisation: {', '.join(reset)}" if reset else ""))
         if self.cfg.distill.on:
             model.set_distilled_training(True)  # training returns both heads' logits; evaluation their average
         return model
