@@ -268,10 +268,14 @@ def build_optimizer(model: torch.nn.Module, optim, lr: float) -> torch.optim.Opt
 
     Fused because it takes a ``found_inf`` tensor: a non-finite step is skipped on the device, no host sync.
     """
-    from timm.optim import param_groups_weight_decay
+    from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
     skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
-    groups = param_groups_weight_decay(model, optim.weight_decay, skip) if optim.weight_decay else model.parameters()
+    layer_decay = getattr(optim, "layer_decay", None)  # DeiT's; each group's lr_scale is applied by timm's schedulers
+    if layer_decay is not None:
+        groups = param_groups_layer_decay(model, optim.weight_decay, skip, layer_decay=layer_decay)
+    else:
+        groups = param_groups_weight_decay(model, optim.weight_decay, skip) if optim.weight_decay else model.parameters()
     return torch.optim.AdamW(groups, lr=lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                              eps=optim.eps, fused=True)
 
@@ -530,7 +534,8 @@ class Trainer:
         """Log the window's means (one host sync); stop on a streak of non-finite steps."""
         record, (in_row, total) = self.window.read(self.world, self.guard.counts)
         in_row, total = int(in_row), int(total)
-        record.update({"train/lr": self.optimizer.param_groups[0]["lr"], "train/epoch": self.step / self.steps_per_epoch,
+        record.update({"train/lr": max(g["lr"] for g in self.optimizer.param_groups),  # unscaled by layer decay
+                       "train/epoch": self.step / self.steps_per_epoch,
                        "train/images_per_s": record["train/steps_per_s"] * self.optim.batch_size,
                        "train/nonfinite_steps": total, **self.task.log_extras()})
         self.logger.log(record, self.step)

@@ -8,6 +8,7 @@ here are "off" or the libraries' own. The code that uses each section: :mod:`vis
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Dict, Literal, Optional, Tuple, Union
 
@@ -95,6 +96,46 @@ class AugmentConfig:
             raise ConfigError(f"augment.scale={list(self.scale)}: the smallest crop area comes first")
 
 
+@dataclass
+class DistillConfig:
+    """DeiT's knowledge distillation (its ``--distillation-type``, ``--teacher-model``, ``--teacher-path``,
+    ``--distillation-alpha``, ``--distillation-tau``); off unless ``type`` is soft or hard (:mod:`vision.distill`)."""
+
+    type: Literal["none", "soft", "hard"] = "none"  # hard: CE with the teacher's argmax; soft: KL at temperature tau
+    teacher: Optional[str] = None  # a timm model name (DeiT: regnety_160, RegNetY-16GF)
+    teacher_weights: Optional[str] = None  # the teacher's weights file (.pth/.pt/.safetensors); never downloaded
+    teacher_kwargs: Dict[str, Any] = field(default_factory=dict)  # more timm.create_model arguments of the teacher
+    alpha: Optional[Probability] = None  # loss = (1 - alpha) * base loss + alpha * distillation loss
+    tau: Optional[Annotated[float, Range(gt=0)]] = None  # soft: the softmax temperature
+
+    def __post_init__(self):
+        if self.type == "none":
+            return
+        needed = ["teacher", "teacher_weights", "alpha"] + (["tau"] if self.type == "soft" else [])
+        unset = [f"distill.{k}" for k in needed if getattr(self, k) is None]
+        if unset:
+            raise ConfigError(f"distill.type={self.type} needs {', '.join(unset)} (the recipe "
+                              "configs/deit_distill.yaml gives all but distill.teacher_weights)")
+
+    @property
+    def on(self) -> bool:
+        return self.type != "none"
+
+    def check_registered(self) -> None:
+        """The teacher's name against timm's registry and its weights file on disk, before any work."""
+        if not self.on:
+            return
+        import timm
+
+        from common.cli import InputNotFoundError
+
+        if not timm.is_model(self.teacher):
+            raise ConfigError(f"distill.teacher={self.teacher!r} is not a timm model (DeiT's teacher: regnety_160)")
+        if not os.path.isfile(self.teacher_weights):
+            raise InputNotFoundError(f"distill.teacher_weights={self.teacher_weights}: no such file; give the "
+                                     f"{self.teacher} weights file (teachers are never downloaded)")
+
+
 @dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
     """AdamW with a per-step cosine schedule and linear warmup; the numbers are the recipe's
@@ -106,6 +147,7 @@ class OptimConfig(trainer.OptimConfig):
     warmup_epochs: Annotated[float, Range(ge=0)] = 0.0  # off
     warmup_lr: Optional[Annotated[float, Range(ge=0)]] = None  # lr at step 0 of the warmup (needed with warmup_epochs > 0)
     min_lr: Annotated[float, Range(ge=0)] = 0.0  # lr at the end of the cosine
+    layer_decay: Optional[Annotated[float, Range(gt=0, le=1)]] = None  # layer-wise lr decay (timm's param_groups_layer_decay): block i of L gets lr * layer_decay^(L - i); null = off
 
     def __post_init__(self):
         if self.warmup_epochs > 0 and self.warmup_lr is None:
@@ -122,6 +164,14 @@ class RunConfig(trainer.RunConfig):
     log_every: Annotated[int, Range(ge=1)] = 50
     eval_every: Annotated[int, Range(ge=0)] = 1  # evaluate every N epochs (and always after the last); 0 = only at the end
     eval_batch_size: Annotated[int, Range(ge=1)] = 256  # per process
+    finetune: Optional[str] = None  # start from these weights (DeiT's --finetune): position embeddings resampled to data.input_size, heads of another class count reset
+
+    def check_registered(self) -> None:
+        if self.finetune is not None and not os.path.isfile(self.finetune):
+            from common.cli import InputNotFoundError
+
+            raise InputNotFoundError(f"train.finetune={self.finetune}: no such file; give the weights to fine-tune from "
+                                     "(model.safetensors of a run, or a timm/DeiT state dict)")
 
 
 @dataclass
@@ -132,12 +182,20 @@ class TrainConfig:
     data: DataConfig
     optim: OptimConfig
     augment: AugmentConfig = field(default_factory=AugmentConfig)  # off
+    distill: DistillConfig = field(default_factory=DistillConfig)  # off
     train: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
         if self.augment.mixup > 0 or self.augment.cutmix > 0:
             if self.optim.batch_size % 2:
                 raise ConfigError("mixup/cutmix mix pairs of images: optim.batch_size must be even")
+
+    def check_registered(self) -> None:
+        if self.distill.on and "distilled" not in self.model.name:
+            raise ConfigError(f"distill.type={self.distill.type} trains a distillation head: model.name must be a "
+                              f"distilled model, e.g. {self.model.name.replace('_patch', '_distilled_patch')}"
+                              if self.model.name.startswith("deit_") else
+                              f"distill.type={self.distill.type} needs a distilled model (deit_*_distilled_patch16_224)")
 
 
 @dataclass

@@ -8,9 +8,10 @@ After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registr
 
     deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt,hc,mhc,attnres,
                             attnres_block}_patch16_224
+    deit_{tiny,small,base}_{same topologies}_distilled_patch16_224      (DeiT's distillation token and head)
 
-Pre-Norm DeiT stays timm's own ``deit_*_patch16_224``; ``topology="pre"`` here builds the same network with the
-same state-dict keys.
+Pre-Norm DeiT stays timm's own ``deit_*_patch16_224`` / ``deit_*_distilled_patch16_224``; ``topology="pre"`` here
+builds the same network with the same state-dict keys.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from timm.layers import Attention, LayerNorm, LayerScale, Mlp, get_norm_layer
 from timm.models import (build_model_with_cfg, generate_default_cfgs, model_entrypoint, register_model,
                          register_notrace_function)
 from timm.models._features import feature_take_indices
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from common.checkpoint import convert_state_dict
+from common.checkpoint import CheckpointError, convert_state_dict, load_weights, read_file, unwrap_state_dict
 from common.cli import InputError, InputNotFoundError
 from common.config import ConfigError
 from common.residual import (
@@ -311,6 +313,18 @@ class SiameseNormVisionTransformer(VisionTransformer):
         return convert_deit_state_dict(state_dict, model)
 
 
+class SiameseNormVisionTransformerDistilled(SiameseNormVisionTransformer, VisionTransformerDistilled):
+    """:class:`SiameseNormVisionTransformer` with DeiT's distillation token and head, as timm's
+    ``deit_*_distilled_patch16_224`` (:class:`timm.models.deit.VisionTransformerDistilled`: ``dist_token``, a
+    position embedding for two prefix tokens, ``head_dist``).
+
+    The distillation token is a prefix token like the class token: it enters every stream the topology carries
+    (SiameseNorm's ``X`` and ``Y`` both start from the embedded tokens) and is read after the output fusion, where
+    ``head_dist`` classifies it. In training with ``set_distilled_training(True)`` the model returns
+    ``(head logits, head_dist logits)``; otherwise (evaluation) their average, as DeiT evaluates.
+    """
+
+
 # Public SiameseNorm DeiT file -> ours. Its top-level `pre_norm` is applied to X and `post_norm` to Y
 # (docs/models.md, "Weights in and out"), so they map to our `norm.norm_x` / `norm.norm_y` respectively.
 _PUBLIC_SIAMESE_DEIT_TOP = {"pre_norm.": "norm.norm_x.", "post_norm.": "norm.norm_y.", "final_norm.": "norm.norm_out."}
@@ -319,12 +333,14 @@ _PUBLIC_SIAMESE_DEIT_TOP = {"pre_norm.": "norm.norm_x.", "post_norm.": "norm.nor
 def convert_deit_state_dict(state_dict: dict, model: Optional[nn.Module] = None) -> dict:
     """Convert public DeiT layouts (timm / facebookresearch DeiT, public SiameseNorm DeiT) to ours.
 
-    timm's Pre-Norm keys are already ours; the public SiameseNorm file differs only in the
-    top-level fusion norms. Distillation tokens/heads are rejected with a clear message.
+    timm's Pre-Norm keys are already ours (with ``dist_token``/``head_dist`` for the distilled models); the public
+    SiameseNorm file differs only in the top-level fusion norms. A distilled file for a model without the
+    distillation head is refused with the model to use.
     """
-    if any(k.startswith(("dist_token", "head_dist")) for k in state_dict):
-        raise ValueError("this is a distilled DeiT checkpoint (dist_token/head_dist); use timm's "
-                         "deit_*_distilled_patch16_224 models for it")
+    distilled_model = model is None or isinstance(model, VisionTransformerDistilled)
+    if not distilled_model and any(k.startswith(("dist_token", "head_dist")) for k in state_dict):
+        raise ValueError("this is a distilled DeiT checkpoint (dist_token/head_dist); load it into a "
+                         "deit_*_distilled_patch16_224 model (ours: deit_<size>_<topology>_distilled_patch16_224)")
     if "final_norm.weight" in state_dict:
         return convert_state_dict(state_dict, prefix_map=_PUBLIC_SIAMESE_DEIT_TOP)
     return dict(state_dict)
@@ -356,14 +372,16 @@ _SIZES = {
 _TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt", "hc", "mhc",
                "attnres", "attnres_block")
 
-MODEL_NAMES = tuple(f"deit_{size}_{topology}_patch16_224" for size in _SIZES for topology in _TOPOLOGIES)
-default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
+MODEL_NAMES = tuple(f"deit_{size}_{topology}{distilled}_patch16_224" for distilled in ("", "_distilled")
+                    for size in _SIZES for topology in _TOPOLOGIES)
+default_cfgs = generate_default_cfgs({name: _cfg(classifier=("head", "head_dist") if "_distilled" in name else "head")
+                                      for name in MODEL_NAMES})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> SiameseNormVisionTransformer:
     out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(
-        SiameseNormVisionTransformer,
+        SiameseNormVisionTransformerDistilled if "_distilled" in variant else SiameseNormVisionTransformer,
         variant,
         pretrained,
         pretrained_filter_fn=convert_deit_state_dict,
@@ -372,22 +390,24 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> SiameseNormVisi
     )
 
 
-def _register(size: str, topology: str):
-    name = f"deit_{size}_{topology}_patch16_224"
+def _register(size: str, topology: str, distilled: str):
+    name = f"deit_{size}_{topology}{distilled}_patch16_224"
 
     def factory(pretrained: bool = False, **kwargs) -> SiameseNormVisionTransformer:
         return _create(name, pretrained, **{**_SIZES[size], "topology": topology, **kwargs})
 
     factory.__name__ = name
     factory.__qualname__ = name
-    factory.__doc__ = f"DeiT-{size} ({_SIZES[size]['embed_dim']} wide) with {topology} residual topology, 224px, patch 16."
+    factory.__doc__ = (f"DeiT-{size} ({_SIZES[size]['embed_dim']} wide) with {topology} residual topology, 224px, "
+                       f"patch 16{', distillation token and head' if distilled else ''}.")
     factory.__module__ = __name__
     globals()[name] = register_model(factory)
 
 
-for _size in _SIZES:
-    for _topo in _TOPOLOGIES:
-        _register(_size, _topo)
+for _distilled in ("", "_distilled"):
+    for _size in _SIZES:
+        for _topo in _TOPOLOGIES:
+            _register(_size, _topo, _distilled)
 
 
 # ------------------------------------------------------------------- building the model a config names
@@ -416,6 +436,28 @@ def build_model(model: "ModelConfig", data: "DataConfig") -> nn.Module:
         if "unexpected keyword argument" in str(err):
             raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
         raise
+
+
+def load_finetune(model: nn.Module, path: Union[str, Path]) -> List[str]:
+    """DeiT's ``--finetune``: start a ViT/DeiT from weights trained at another resolution or for another class count.
+
+    The position embedding (and a patch embedding of another patch size) is resampled to the model's grid by timm's
+    ViT ``checkpoint_filter_fn`` (bicubic, antialiased), as timm's pretrained loading does; a head whose class count
+    differs keeps its fresh initialisation, as DeiT's main.py resets it. Every other key must match. Returns the
+    reset keys.
+    """
+    state = checkpoint_filter_fn(unwrap_state_dict(read_file(path)), model, adapt_layer_scale=True)
+    own = model.state_dict()
+    reset = [k for k in ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias")
+             if k in state and k in own and state[k].shape != own[k].shape]
+    for k in reset:
+        del state[k]
+    missing, unexpected = load_weights(model, state, strict=False)
+    if sorted(missing) != sorted(reset) or unexpected:
+        raise CheckpointError(f"{path} does not fit {type(model).__name__} beyond its resolution and class count: "
+                              f"missing {sorted(set(missing) - set(reset))}, unexpected {sorted(unexpected)}; check "
+                              "model.name and model.kwargs (topology, sizes)")
+    return reset
 
 
 def check_pretrained_reachable(name: str, timeout: float = 3.0) -> None:

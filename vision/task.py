@@ -67,6 +67,12 @@ class DeiTTask(trainer.Task):
                                             accelerator.process_index, accelerator.num_processes)
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
         self.criterion = build_criterion(cfg.augment)
+        if cfg.distill.on:  # DeiT's distillation: the teacher sees the same (mixed) images as the student
+            from vision.distill import DistillationLoss, build_teacher
+
+            teacher = build_teacher(cfg.distill, cfg.data.num_classes).to(accelerator.device)
+            self.criterion = DistillationLoss(self.criterion, teacher, cfg.distill.type, cfg.distill.alpha,
+                                              cfg.distill.tau or 1.0)
         self.batch_transform = NormalizeErase(cfg.data, cfg.augment)
 
     def build_feed(self, sampler, batch_size: int, device):
@@ -79,7 +85,16 @@ class DeiTTask(trainer.Task):
                                  seed=cfg.train.seed * 1000 + self.accelerator.process_index)
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.cfg.model, self.cfg.data)
+        model = build_model(self.cfg.model, self.cfg.data)
+        if self.cfg.train.finetune:  # a resumed run then loads its own checkpoint over these weights
+            from vision.deit import load_finetune
+
+            reset = load_finetune(model, self.cfg.train.finetune)
+            self.accelerator.print(f"fine-tuning from {self.cfg.train.finetune}"
+                                   + (f"; reset to their initialisation: {', '.join(reset)}" if reset else ""))
+        if self.cfg.distill.on:
+            model.set_distilled_training(True)  # training returns both heads' logits; evaluation their average
+        return model
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.cfg.optim.epochs * steps_per_epoch
@@ -94,6 +109,8 @@ class DeiTTask(trainer.Task):
         images, targets = batch
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
+        if self.cfg.distill.on:
+            return self.criterion(images, model(images), targets), {}
         return self.criterion(model(images), targets), {}
 
     def run_summary(self) -> dict:
