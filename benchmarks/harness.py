@@ -8,7 +8,6 @@ variant (the baseline).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -66,10 +65,6 @@ def alternate(variants: Dict[str, Callable[[], Any]], rounds: int, device: Optio
         if on_round is not None:
             on_round(round_index, runs)
     return runs
-
-
-def median_s(runs: List[Run]) -> float:
-    return statistics.median(r.seconds for r in runs)
 
 
 def peak_memory_mb(device: torch.device) -> float:
