@@ -41,7 +41,7 @@ test-floor: data
 	$(FLOOR_VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m scripts.bench_block
+	$(PY) -m benchmarks.step
 
 # The GPU figures (the real trainers' images/s and MFU, step time, memory, host syncs, data feed, sampling), part
 # by part into runs/gpu_check.json (docs/benchmarks.md); fails cleanly without a GPU.

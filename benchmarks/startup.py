@@ -16,9 +16,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from benchmarks.harness import alternate, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("timm", "torchvision", "diffusers", "accelerate", "torch_fidelity", "scipy")
@@ -56,23 +57,26 @@ def environment() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def run_once(cmd: Sequence[str]) -> tuple:
-    """``(wall seconds, exit status)`` of one command, output discarded."""
-    start = time.perf_counter()
-    status = subprocess.run(cmd, cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-    return time.perf_counter() - start, status
+def run_once(cmd: Sequence[str]) -> int:
+    """The exit status of one command, output discarded."""
+    return subprocess.run(cmd, cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode
 
 
 def first_line_once(cmd: Sequence[str], out_dir: Path) -> tuple:
     """``(seconds to the first line on stdout, the line)`` of a starting run, which is then stopped."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([*cmd, f"train.output_dir={out_dir}"], cwd=ROOT, env=environment(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    seconds = time.perf_counter() - start
+    proc = None
+
+    def start_and_read():
+        nonlocal proc
+        proc = subprocess.Popen([*cmd, f"train.output_dir={out_dir}"], cwd=ROOT, env=environment(),
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return proc.stdout.readline()
+
+    run = time_call(start_and_read)
     proc.kill()
     proc.wait()
-    return seconds, line.strip()
+    return run.seconds, run.value.strip()
 
 
 def measure(entry_points: Sequence[str], repeats: int, first_lines: bool = True, scratch: Optional[Path] = None) -> dict:
@@ -80,19 +84,21 @@ def measure(entry_points: Sequence[str], repeats: int, first_lines: bool = True,
     statuses seen, over ``repeats`` alternating rounds."""
     import tempfile
 
-    times: Dict[str, List[float]] = {"bare": []}
-    statuses: Dict[str, set] = {}
+    variants = {"bare": lambda: run_once(command(None, ()))}
+    firsts = {}
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        for round_index in range(repeats):
-            times["bare"].append(run_once(command(None, ()))[0])
-            for ep in entry_points:
-                for kind, args in (("--help", ["--help"]), ("error", ARGUMENT_ERRORS[ep])):
-                    seconds, status = run_once(command(ep, args))
-                    times.setdefault(f"{ep} {kind}", []).append(seconds)
-                    statuses.setdefault(f"{ep} {kind}", set()).add(status)
-                if first_lines and ep in FIRST_LINE:
-                    seconds, _ = first_line_once(command(ep, FIRST_LINE[ep]), Path(tmp) / f"{ep}_{round_index}")
-                    times.setdefault(f"{ep} first line", []).append(seconds)
+        for ep in entry_points:
+            for kind, args in (("--help", ["--help"]), ("error", ARGUMENT_ERRORS[ep])):
+                variants[f"{ep} {kind}"] = lambda cmd=command(ep, args): run_once(cmd)
+            if first_lines and ep in FIRST_LINE:
+                count = iter(range(repeats))
+                firsts[f"{ep} first line"] = lambda ep=ep, count=count: first_line_once(
+                    command(ep, FIRST_LINE[ep]), Path(tmp) / f"{ep}_{next(count)}")[0]
+                variants[f"{ep} first line"] = firsts[f"{ep} first line"]
+        runs = alternate(variants, repeats)
+    # a first line's figure is its own (to the line, not to the end of the call); the others are whole calls
+    times = {name: [r.value if name in firsts else r.seconds for r in rs] for name, rs in runs.items()}
+    statuses = {name: {r.value for r in rs} for name, rs in runs.items() if name not in firsts and name != "bare"}
     return {"times": times, "statuses": statuses}
 
 

@@ -388,6 +388,11 @@ def _fx_symbolic_tracing() -> bool:
     return fx.is_fx_tracing() and not torch.compiler.is_compiling()
 
 
+def _autograd_records() -> bool:
+    """Autograd records and FX does not trace: when :class:`SiameseNormChain` can run."""
+    return torch.is_grad_enabled() and not _fx_symbolic_tracing()
+
+
 def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, inp: nn.Module,
                        recompute: bool = False) -> Tuple[Tensor, Tensor]:
     """SiameseNorm's norm chain in front of a sublayer: ``X' = LN_post(X)`` and the input ``LN_in(X' + LN_pre(Y))``.
@@ -395,7 +400,7 @@ def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, in
     ``recompute`` runs it as :class:`SiameseNormChain` when autograd records (not while FX traces), which keeps
     less for backward; otherwise the three norm modules run as they are.
     """
-    if recompute and torch.is_grad_enabled() and not _fx_symbolic_tracing():
+    if recompute and _autograd_records():
         if y is x:  # the first block's streams are one tensor; dynamo traces Function.apply only on distinct inputs
             y = y.view_as(y)
         post_weight, post_bias, post_eps = _layer_norm_args(post)
@@ -448,21 +453,32 @@ class SiameseNormBlock(ResidualBlock):
 
     def forward(self, state: Tuple[Tensor, Tensor], ctx: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         x, y = state
-        # TorchScript passes no modules to a function, so it reads the chain inline.
-        if not torch.jit.is_scripting():
-            x, h = siamese_norm_chain(x, y, self.post_norm1, self.pre_norm1, self.input_norm1, self.recompute_norms)
+        fused = False
+        if not torch.jit.is_scripting():  # TorchScript compiles no further: Function.apply is not scriptable
+            fused = self.recompute_norms and _autograd_records()
+        if fused:
+            x, h = self._fused_norm_chain(x, y, 1)
         else:
             x = self.post_norm1(x)
             h = self.input_norm1(x + self.pre_norm1(y))
         z = self.drop_path(self.sublayer1(h, ctx))
         x, y = x.add(z, alpha=1.0 / self.depth_scale), y + z
-        if not torch.jit.is_scripting():
-            x, h = siamese_norm_chain(x, y, self.post_norm2, self.pre_norm2, self.input_norm2, self.recompute_norms)
+        if fused:
+            x, h = self._fused_norm_chain(x, y, 2)
         else:
             x = self.post_norm2(x)
             h = self.input_norm2(x + self.pre_norm2(y))
         z = self.drop_path(self.sublayer2(h, ctx))
         return x.add(z, alpha=1.0 / self.depth_scale), y + z
+
+    @torch.jit.unused
+    def _fused_norm_chain(self, x, y, sublayer):
+        """Sublayer ``sublayer``'s norm chain as one :class:`SiameseNormChain` node (``recompute_norms``)."""
+        return siamese_norm_chain(x, y, getattr(self, f"post_norm{sublayer}"), getattr(self, f"pre_norm{sublayer}"),
+                                  getattr(self, f"input_norm{sublayer}"), recompute=True)
+
+    # TorchScript reads an unused method's signature from its annotations, which must be types, not strings
+    _fused_norm_chain.__annotations__ = {"x": Tensor, "y": Tensor, "sublayer": int, "return": Tuple[Tensor, Tensor]}
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, normalized_input={self.normalized_input}, "

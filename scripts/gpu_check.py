@@ -62,6 +62,8 @@ from typing import Callable, Dict, List, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks.harness import time_call  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre")
 # Dense bf16 tensor-core peaks (FLOP/s) by device name; MFU is null on other devices.
@@ -74,11 +76,6 @@ TINY_SPEEDUP = 4
 
 def log(message: str) -> None:
     print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class BudgetSpent(BaseException):
@@ -186,7 +183,7 @@ class Plan:
 def image_folder(workdir: Path, tiny: bool) -> Path:
     """An ImageNet-layout folder (train/ and val/, two classes) of ImageNet-sized JPEGs, written once per check:
     2048 training images (8 steps of DeiT at batch 256, with repeated augmentation)."""
-    from scripts.bench_data import write_jpegs
+    from benchmarks.synthetic import write_jpegs
 
     root = workdir / "images"
     if not (root / "train").exists():
@@ -197,7 +194,7 @@ def image_folder(workdir: Path, tiny: bool) -> Path:
 
 def latent_folder(workdir: Path, tiny: bool) -> Path:
     """DiT latents (4x32x32 moments), written once per check: 1024 (4 steps of DiT at batch 256)."""
-    from scripts.bench_data import write_latents
+    from benchmarks.synthetic import write_latents
 
     root = workdir / "latents"
     if not root.exists():
@@ -304,16 +301,8 @@ def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], Non
 
     import vision  # noqa: F401  (registers the DeiT topologies)
     from diffusion.models import DiT_models
-    from scripts.bench_block import time_train_steps
-    from scripts.bench_dit import dit_batch, dit_loss
-
-    def deit_batch():
-        size, b = (32, 4) if tiny else (224, 128)
-        return torch.randn(b, 3, size, size), torch.randint(0, 1000, (b,))
-
-    def deit_loss(model, batch):
-        images, labels = batch
-        return torch.nn.functional.cross_entropy(model(images), labels)
+    from benchmarks.step import deit_loss, dit_loss, time_train_steps
+    from benchmarks.synthetic import deit_batch, dit_batch
 
     deit_kw = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3) if tiny else {}
     dit_kw = dict(hidden_size=48, depth=2, num_heads=3) if tiny else {}
@@ -321,7 +310,8 @@ def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], Non
     cases = {
         "DeiT-S/224 b128": ({t: (lambda t=t: timm.create_model(f"deit_small_{t}_patch16_224" if t != "pre" else
                                                               "deit_small_patch16_224", **deit_kw))
-                             for t in ("pre", "siamese")}, deit_batch, deit_loss),
+                             for t in ("pre", "siamese")},
+                            lambda: deit_batch(4, 32, 1000) if tiny else deit_batch(128, 224, 1000), deit_loss),
         "DiT-B/2 b64": ({t: (lambda t=t: DiT_models["DiT-B/2"](input_size=size, topology=t, **dit_kw))
                          for t in ("pre", "siamese")}, lambda: dit_batch(2 if tiny else 64, size, 4, 1000), dit_loss),
     }
@@ -424,12 +414,7 @@ def data_feed(workdir: Path, device, tiny: bool) -> dict:
     batches = iter(task_feed(task, sampler, batch, data.num_workers, device))
     for _ in range(head_start):
         next(batches)
-    _sync()
-    start = time.perf_counter()
-    for _ in range(timed):
-        next(batches)
-    _sync()
-    elapsed = time.perf_counter() - start
+    elapsed = time_call(lambda: [next(batches) for _ in range(timed)], device).seconds
     return {"workers": workers, "prefetch_factor": prefetch, "batch": batch, "input_size": data.input_size,
             "taken before the clock": head_start, "timed batches": timed, "images_per_s": timed * batch / elapsed}
 
@@ -463,16 +448,9 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     sampler.diffusion = spec.diffusion(sampling_steps=measured_steps).to(device)
     indices, labels = torch.arange(batch), torch.arange(batch) % 1000
     sampler(indices, labels)  # warm-up
-    _sync()
-    start = time.perf_counter()
-    sampler(indices, labels)
-    _sync()
-    short_s = time.perf_counter() - start
+    short_s = time_call(lambda: sampler(indices, labels), device).seconds
     latents = torch.randn(batch, 4, size, size, device=device)
-    start = time.perf_counter()
-    sampler.decoder(latents)
-    _sync()
-    decode_s = time.perf_counter() - start
+    decode_s = time_call(lambda: sampler.decoder(latents), device).seconds
     chain_s = (short_s - decode_s) * steps / measured_steps
     per_image = (chain_s + decode_s) / batch
     inception_per_image = inception_seconds_per_image(workdir, device, tiny)
@@ -494,11 +472,7 @@ def inception_seconds_per_image(workdir: Path, device, tiny: bool) -> float:
     images = torch.randint(0, 256, (8 if tiny else 100, 3, 64 if tiny else 256, 64 if tiny else 256),
                            dtype=torch.uint8, device=device)
     extractor(images)
-    _sync()
-    start = time.perf_counter()
-    extractor(images)
-    _sync()
-    return (time.perf_counter() - start) / len(images)
+    return time_call(lambda: extractor(images), device).seconds / len(images)
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1,15 +1,15 @@
 """The benchmark scripts run end to end (no timing assertions: speed belongs in the printed ratios)."""
 import pytest
 
-from scripts.bench_block import main
+from benchmarks.step import main
 
-TINY_DEIT = ["--batch-size", "2", "--img-size", "16", "--patch-size", "8"]
-TINY_DIT = ["--models", "DiT-S/8", "--latent-size", "16", "--num-classes", "10", "--batch-size", "2"]
+TINY_DEIT = ["--models", "tiny", "--batch-size", "2", "--img-size", "16", "--patch-size", "8"]
+TINY_DIT = ["--family", "dit", "--models", "DiT-S/8", "--latent-size", "16", "--num-classes", "10", "--batch-size", "2"]
 
 
-def test_bench_block_reports_every_variant_with_progress(capsys):
+def test_step_benchmark_deit_reports_every_variant_with_progress(capsys):
     variants = "pre,siamese+recompute_norms,siamese,post"
-    results = main(["--steps", "1", "--warmup", "0", "--topologies", variants, *TINY_DEIT])
+    results = main(["--rounds", "1", "--warmup", "0", "--topologies", variants, *TINY_DEIT])["tiny"]
     assert set(results) == {"pre", "siamese+recompute_norms", "siamese", "post"}
     assert results["siamese+recompute_norms"]["params"] - results["pre"]["params"] == 19_200
     assert results["siamese"]["params"] == results["siamese+recompute_norms"]["params"]
@@ -23,8 +23,8 @@ def test_bench_block_reports_every_variant_with_progress(capsys):
     assert "pre: ready" in err and "round 1/1" in err  # progress, on stderr, as it goes
 
 
-def test_bench_block_memory_mode(capsys):
-    results = main(["--memory", "--topologies", "pre,siamese", *TINY_DEIT])
+def test_step_benchmark_deit_memory_mode(capsys):
+    results = main(["--memory", "--topologies", "pre,siamese", *TINY_DEIT])["tiny"]
     assert set(results["siamese"]) == {"float32 eager", "bfloat16 eager"}
     assert results["siamese"]["float32 eager"] > results["pre"]["float32 eager"] > 0
     # bf16 autocast keeps bf16 copies of the activations the matmuls read (the streams stay fp32)
@@ -35,11 +35,9 @@ def test_bench_block_memory_mode(capsys):
     assert "siamese bfloat16 eager" in err
 
 
-def test_bench_dit_reports_every_variant(capsys):
-    from scripts.bench_dit import main as bench_dit
-
+def test_step_benchmark_dit_reports_every_variant(capsys):
     variants = "pre,siamese+recompute_norms,siamese"
-    results = bench_dit([*TINY_DIT, "--steps", "1", "--warmup", "0", "--topologies", variants])["DiT-S/8"]
+    results = main([*TINY_DIT, "--rounds", "1", "--warmup", "0", "--topologies", variants])["DiT-S/8"]
     assert results["siamese"]["params"] - results["pre"]["params"] == 12 * 8 * 384 + 4 * 384
     act = {name: r["activation_mb"] for name, r in results.items()}
     assert act["siamese"] > act["siamese+recompute_norms"] > act["pre"] > 0
@@ -47,32 +45,20 @@ def test_bench_dit_reports_every_variant(capsys):
     assert "DiT-S/8" in out and "DiT-S/8" in err
 
 
-def test_bench_dit_memory_mode(capsys):
-    from scripts.bench_dit import main as bench_dit
-
-    results = bench_dit([*TINY_DIT, "--memory", "--topologies", "pre,siamese"])["DiT-S/8"]
+def test_step_benchmark_dit_memory_mode(capsys):
+    results = main([*TINY_DIT, "--memory", "--topologies", "pre,siamese"])["DiT-S/8"]
     assert results["siamese"]["float32 eager"] > results["pre"]["float32 eager"] > 0
     assert "float32 eager MB" in capsys.readouterr().out
 
 
-def test_bench_sampling_prints_before_and_after_side_by_side(capsys):
-    from scripts.bench_sampling import main as bench_sampling
-
-    result = bench_sampling(["--batch", "3", "--shape", "1,8,8", "--steps", "5", "--chain-steps", "2", "--repeat", "1"])
-    for part in ("seeds_us_per_sample", "noise_ms_per_chunk", "chain_ms_per_chunk"):
-        assert set(result[part]) == {"before", "after", "ratio"} and result[part]["ratio"] > 0
-    out = capsys.readouterr().out
-    assert "before" in out and "after" in out and "ratio" in out
-
-
 @pytest.mark.fashion_mnist
-def test_bench_bf16_fid_scores_both_precisions_on_the_same_noise(tmp_path):
+def test_fid_benchmark_scores_bf16_and_fp32_on_the_same_noise(tmp_path):
     import torch
 
     from common.checkpoint import save_weights
     from diffusion.evaluation.features import FashionMNISTClassifier
     from diffusion.spec import DiTSpec
-    from scripts.bench_bf16_fid import main as bench_bf16
+    from benchmarks.fid import main as bench_fid
 
     torch.manual_seed(0)
     weights = save_weights(FashionMNISTClassifier(), tmp_path / "fmnist_cnn.safetensors")
@@ -85,41 +71,12 @@ def test_bench_bf16_fid_scores_both_precisions_on_the_same_noise(tmp_path):
                 p.add_(0.05 * torch.randn_like(p))
     ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata())
     with pytest.warns(UserWarning, match="covariance is singular"):
-        result = bench_bf16(["--checkpoint", str(ckpt), "--feature-weights", str(weights), "--samples", "12",
+        result = bench_fid(["--bf16-checkpoint", str(ckpt), "--feature-weights", str(weights), "--samples", "12",
                              "--steps", "2", "--batch-size", "6", "--seeds", "0", "1"])
     rows = result["seeds"]
     assert [r["seed"] for r in rows] == [0, 1] and all(r["mean_abs_pixel"] > 0 for r in rows)
     assert rows[0]["difference"] == pytest.approx(rows[0]["fid_bf16"] - rows[0]["fid_fp32"])
     assert result["summary"]["fp32_seed_std"] > 0
-BEFORE_HOT_PATH = "08f319b"  # the revision before boxes-only erasing and the cached EMA lists
-
-
-def test_bench_hot_path_compares_against_an_earlier_revision(capsys):
-    import subprocess
-
-    from scripts.bench_hot_path import ROOT, main as bench_hot_path
-
-    if subprocess.run(["git", "cat-file", "-e", f"{BEFORE_HOT_PATH}^{{commit}}"], cwd=ROOT).returncode:
-        pytest.skip(f"this checkout's history lacks {BEFORE_HOT_PATH}")
-    # the outputs of both revisions are checked equal inside, before any timing; what is checked here is what the
-    # benchmark computes and prints from its timings, never a timing itself (under load a difference can be < 0)
-    results = bench_hot_path(["--before", BEFORE_HOT_PATH, "--rounds", "1", "--batch-size", "8", "--ema-width", "24"])
-    erase, ema = results["erase"], results["ema"]
-    ms = erase["ms (erase: less the copy of the batch)"]
-    assert set(ms) == {"erase before, CUDA path", "erase before, CPU path", "erase now, accelerator path",
-                       "erase now, CPU path", "normalise before", "normalise now"}
-    assert erase["CUDA path before / now"] == pytest.approx(ms["erase before, CUDA path"] / ms["erase now, accelerator path"])
-    assert erase["CPU path before / now"] == pytest.approx(ms["erase before, CPU path"] / ms["erase now, CPU path"])
-    assert erase["normalise before / now"] == pytest.approx(ms["normalise before"] / ms["normalise now"])
-    assert erase["batch"] == 8 and 0 <= erase["samples with a box"] <= 8
-    assert ema["before / now"] == pytest.approx(ema["ms"]["before"] / ema["ms"]["now"])
-    assert ema["lerped tensors"] == 232  # DiT-B/2 SiameseNorm's floating-point tensors
-    out = capsys.readouterr().out
-    assert f"erase (batch 8, {erase['samples with a box']} samples with a box)" in out
-    assert f"{erase['CUDA path before / now']:.1f}x faster than before" in out
-    assert f"ema (DiT-B/2 siamese at width 24, 232 tensors)" in out and f"{ema['before / now']:.2f}x" in out
-
-
 def test_floor_pins_pin_every_dependency_to_its_floor():
     from pathlib import Path
 
@@ -134,10 +91,10 @@ def test_floor_pins_pin_every_dependency_to_its_floor():
     assert Path(ROOT / "Makefile").read_text().count("scripts/floor_pins.py") == 1
 
 
-def test_bench_fid_against_torch_fidelity_runs_both_commands_on_the_same_inputs(tmp_path):
+def test_fid_benchmark_against_torch_fidelity_runs_both_commands_on_the_same_inputs(tmp_path):
     """What --vs-torch-fidelity computes: the two commands read the same folders and weights, the FIDs are parsed
     from what each prints, and the ratio is of the medians (no timing is asserted)."""
-    from scripts.bench_fid import fid_commands, ratio_summary, torch_fidelity_fid
+    from benchmarks.fid import fid_commands, ratio_summary, torch_fidelity_fid
 
     commands = fid_commands(tmp_path / "a", tmp_path / "b", tmp_path / "w.pth", 50, tmp_path / "ours.json")
     ours, theirs = commands["diffusion.fid"], commands["torch-fidelity"]

@@ -60,7 +60,7 @@ def test_step_times_measure_each_variant_alone_with_the_trainers_optimizer():
     import gc
     import weakref
 
-    from scripts.bench_block import time_train_steps
+    from benchmarks.step import time_train_steps
 
     refs, alive_at_build, fused = {}, {}, []
 

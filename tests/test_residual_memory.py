@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import vision  # noqa: F401  (registers our models)
 from diffusion.models import DiT
-from scripts.bench_block import saved_activation_mb
+from benchmarks.harness import saved_activation_mb
 from tests.deit_reference import siamese_deit_forward
 from tests.test_deit import SMALL as DEIT_SMALL, randomize_ as randomize_deit_, to_public_layout
 from tests.test_dit_models import SMALL as DIT_SMALL, randomize_ as randomize_dit_, reference_forward

@@ -329,7 +329,7 @@ def test_loaders_give_pillows_pixels(odd_folder):
 def test_tensor_crop_draws_timms_boxes_and_resamples_like_pillow():
     """Same boxes as timm's crop for the same seed; pixels as Pillow's bicubic: on average all but ~1% equal, and
     in every draw all but < 0.5% within one grey level (the two round their intermediate pass differently)."""
-    from scripts.bench_data import natural_image
+    from benchmarks.synthetic import natural_image
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(natural_image(200, 150, rng))

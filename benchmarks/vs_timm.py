@@ -16,8 +16,8 @@ timm's ``train.py`` is not part of timm's wheel or sdist: it sits at the root of
 the file, or set ``TIMM_TRAIN``::
 
     git clone --depth 1 https://github.com/huggingface/pytorch-image-models /tmp/timm-repo
-    python -m scripts.bench_vs_timm --timm-train /tmp/timm-repo/train.py          # about 4 minutes on 2 cores
-    python -m scripts.bench_vs_timm --timm-train ... --rounds 1 --steps 6 --warmup 2 --images 512   # a try
+    python -m benchmarks.vs_timm --timm-train /tmp/timm-repo/train.py          # about 4 minutes on 2 cores
+    python -m benchmarks.vs_timm --timm-train ... --rounds 1 --steps 6 --warmup 2 --images 512   # a try
 """
 from __future__ import annotations
 
@@ -34,14 +34,17 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.harness import add_common_args, alternate
+
 ROOT = Path(__file__).resolve().parents[1]
 AUGMENT = dict(auto_augment="rand-m9-mstd0.5", mixup=0.8, cutmix=1.0, re_prob=0.25, smoothing=0.1, drop_path=0.1,
                ema_decay=0.99996, lr=1e-3, weight_decay=0.05)
 
 
 def write_folder(root: Path, images: int) -> Path:
-    """``root/train/class{0,1}`` ImageNet-like JPEGs (``scripts.bench_data``'s) and a small ``val`` split; kept."""
-    from scripts.bench_data import write_jpegs
+    """``root/train/class{0,1}`` ImageNet-like JPEGs (:func:`benchmarks.synthetic.write_jpegs`) and a small ``val``
+    split; kept."""
+    from benchmarks.synthetic import write_jpegs
 
     done = root / ".complete"
     if not done.exists() or int(done.read_text()) != images:
@@ -149,16 +152,16 @@ def measure(ends: list, clock: CpuClock, warmup: int, batch: int) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_vs_timm", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vs_timm", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--timm-train", default=os.environ.get("TIMM_TRAIN"),
                    help="timm's train.py (from timm's repository; default: $TIMM_TRAIN)")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="training steps per run (one epoch of that many batches)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the figure")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of each trainer (OMP_NUM_THREADS)")
+    add_common_args(p, rounds=3, rounds_help="runs of each trainer, alternating (the order flips each round)",
+                    threads=1, threads_help="torch threads of each trainer (OMP_NUM_THREADS)")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
@@ -176,24 +179,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
            "PYTHONPATH": os.pathsep.join([a.ours_tree, os.environ.get("PYTHONPATH", "")])}
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench_vs_timm_"))
     folder = write_folder(work / "images", images)
-    rates = {"ours": [], "timm": []}
-    for r in range(a.rounds):
-        order = ("ours", "timm") if r % 2 == 0 else ("timm", "ours")
-        for name in order:
-            if a.only and name != a.only:
-                continue
-            out = work / f"{name}_{r}"
-            subprocess.run(["rm", "-rf", str(out)], check=True)
-            if name == "ours":
-                _, _, clock = run(name, ours_command(folder, out, a), env)
-                ends = ours_step_ends(out)
-            else:
-                _, ends, clock = run(name, timm_command(Path(a.timm_train), folder, out, a), env)
-            m = measure(ends, clock, a.warmup, a.batch_size)
-            rates[name].append(m)
-            print(f"round {r + 1}/{a.rounds} {name}: {m['wall']:6.1f} images/s by the clock, {m['cpu']:6.1f} by CPU "
-                  f"time (per step: main process {m['main_cpu_ms']:.0f} ms, workers {m['workers_cpu_ms']:.0f} ms; "
-                  f"{m['steps']} steps)", flush=True)
+    done = {"ours": 0, "timm": 0}
+
+    def train(name):
+        out = work / f"{name}_{done[name]}"
+        done[name] += 1
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        if name == "ours":
+            _, _, clock = run(name, ours_command(folder, out, a), env)
+            ends = ours_step_ends(out)
+        else:
+            _, ends, clock = run(name, timm_command(Path(a.timm_train), folder, out, a), env)
+        m = measure(ends, clock, a.warmup, a.batch_size)
+        print(f"round {done[name]}/{a.rounds} {name}: {m['wall']:6.1f} images/s by the clock, {m['cpu']:6.1f} by CPU "
+              f"time (per step: main process {m['main_cpu_ms']:.0f} ms, workers {m['workers_cpu_ms']:.0f} ms; "
+              f"{m['steps']} steps)", flush=True)
+        return m
+
+    sides = [name for name in ("ours", "timm") if not a.only or name == a.only]
+    runs = alternate({name: (lambda name=name: train(name)) for name in sides}, a.rounds, flip=True)
+    rates = {name: [r.value for r in rs] for name, rs in runs.items()}
     result = {f"{k} {unit}": statistics.median(m[unit] for m in v) for k, v in rates.items() if v
               for unit in ("wall", "cpu")}
     if not a.only:
