@@ -111,7 +111,7 @@ def vs_torch_fidelity(args) -> dict:
     reference = write_png_folder(args.out / "reference", args.count, seed=2)
     result_file = args.out / "ours.json"
     commands = fid_commands(samples, reference, weights, args.batch_size, result_file)
-    if args.adm_sqrtm:  # ADM's matrix root, what diffusion.fid computed before the eigenvalue trace
+    if args.adm_sqrtm:  # ADM's evaluator's matrix root (scipy sqrtm), diffusion.fid's --frechet-method sqrtm
         commands["diffusion.fid --frechet-method sqrtm"] = commands["diffusion.fid"] + ["--frechet-method", "sqrtm"]
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,

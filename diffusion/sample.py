@@ -220,11 +220,13 @@ def check_args(args) -> None:
         num_classes = recorded_num_classes(args)
         if num_classes is not None:
             check_labels(labels, num_classes)  # before any weights load
+    args.sit = bool(args.model) and args.model.startswith("SiT-")
+    if args.sit:  # SiT-XL/2 etc.: the DiT of that size, trained with SiT's transport
+        args.model = "DiT-" + args.model[len("SiT-"):]
     if args.model is not None or args.topology is not None:
         from diffusion.models import DIT_TOPOLOGIES, DiT_models
 
-        dit = None if args.model is None else args.model.replace("SiT-", "DiT-", 1)  # SiT-*: that DiT
-        if dit is not None and dit not in DiT_models:
+        if args.model is not None and args.model not in DiT_models:
             raise SamplingError(f"--model {args.model!r} is not a DiT; choose one of {', '.join(DiT_models)}")
         if args.topology is not None and args.topology not in DIT_TOPOLOGIES:
             raise SamplingError(f"--topology {args.topology!r}: choose one of {', '.join(DIT_TOPOLOGIES)}")
@@ -240,10 +242,7 @@ def flow_options(args) -> dict:
 def transport_override(args) -> Optional[dict]:
     """The objective a plain state dict does not record: SiT's for ``--model SiT-*`` (the DiT of that size), or
     ``--path``/``--prediction``."""
-    sit = bool(args.model) and args.model.startswith("SiT-")
-    if sit:
-        args.model = "DiT-" + args.model[len("SiT-"):]
-    if not (sit or args.path or args.prediction):
+    if not (args.sit or args.path or args.prediction):
         return None
     return Transport(args.path or "linear", args.prediction or "velocity").description()
 

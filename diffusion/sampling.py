@@ -406,7 +406,6 @@ class Decoder:
         """``torch.compile`` the VAE's decoder in place (fixed shapes: the sampler pads its last batch)."""
         if self.vae is not None:
             self.vae.decoder.compile(dynamic=False)
-            self.vae.post_quant_conv.compile(dynamic=False)
 
     @torch.no_grad()
     def __call__(self, x: Tensor) -> Tensor:
