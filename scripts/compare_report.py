@@ -16,7 +16,11 @@ from typing import Dict, List, Optional, Sequence
 from common.durable import atomic_write_text
 
 DIAGNOSTICS_FILE = "diagnostics.json"  # next to each run's result.json
-METRIC = {"deit": ("top1", "Top-1 %", True), "dit": ("fid", "FID (fmnist-cnn)", False)}  # key, label, higher is better
+# key, label, higher is better; the imagenet_* tasks are scripts.paper_imagenet's
+METRIC = {"deit": ("top1", "Top-1 %", True), "dit": ("fid", "FID (fmnist-cnn)", False),
+          "imagenet_deit": ("top1", "Top-1 % (ImageNet val)", True),
+          "imagenet_dit": ("fid", "FID-50K (ADM reference)", False)}
+TITLES = {"imagenet_deit": "ImageNet DeiT", "imagenet_dit": "ImageNet DiT"}
 
 
 def _mean_std(values: Sequence[float]) -> tuple:
@@ -119,8 +123,8 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
         text = f"{gain:+.2f}, 95% interval ±{half:.2f} over {n} seeds"
         return text, "supported" if gain > half else "contradicted" if gain < -half else "within noise"
 
-    main_claim = "accuracy up (Top-1)" if task == "deit" else "FID down"
-    other_claim = "FID down" if task == "deit" else "accuracy up (Top-1)"
+    main_claim = "accuracy up (Top-1)" if higher else "FID down"
+    other_claim = "FID down" if higher else "accuracy up (Top-1)"
     lowest_lr = min((lr for _, lr, _ in summary), default=None)
     parts = []
     for (depth, lr), d in sorted(diffs.items()):
@@ -231,7 +235,7 @@ def identical_value_notes(summary: Dict[tuple, dict], label: str, task: str) -> 
         means = {t: s["mean"] for (d, l2, t), s in summary.items() if (d, l2) == (depth, lr) and s["mean"] is not None}
         if len(means) > 1 and len(set(means.values())) == 1:
             why = (" the sampled EMA weights are still (close to) the zero-initialised DiT, which predicts the same for "
-                   "every topology: train longer or lower --ema-decay" if task == "dit" else
+                   "every topology: train longer or lower --ema-decay" if task.endswith("dit") else
                    " the evaluated weights give the same predictions")
             notes.append(f"\nNote: at depth {depth}, lr {lr:g} every topology has the same {label} "
                          f"({next(iter(means.values())):.4f}), exactly:{why}.")
@@ -283,7 +287,7 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
     metric, label, higher = METRIC[task]
     summary = summarize(results, metric)
     add_reused(summary, reused or {})
-    lines = [f"# {task.upper()} topology comparison", ""]
+    lines = [f"# {TITLES.get(task, task.upper())} topology comparison", ""]
     if command:
         lines += ["Regenerate (finished runs under the same --out are reused; elsewhere, e.g. on a fresh clone, every run "
                   "is trained again):", "", f"    {command}", ""]

@@ -14,6 +14,8 @@ Other faults at the same seams (the process does not kill itself):
 
 * ``sigterm_at_shutdown`` -- a real SIGTERM to itself while the finished run releases its directory, and another
   right after it handed its stop signals back: a scheduler's signal that arrives while a finished run shuts down;
+* ``sigterm``     -- a real SIGTERM to itself at the nth optimizer step, as a scheduler preempts a job (only in a
+  process whose command line contains ``$FAULT_ARGV`` when that is set: one job of a study);
 * ``bug``         -- a plain ``ValueError`` (a bug, not bad input) raised in an optimizer step;
 * ``rank1_input`` -- an input error that only rank 1 meets, while building the run.
 
@@ -28,7 +30,7 @@ import signal
 import sys
 
 POINTS = ("ckpt_write", "ckpt_done", "weights", "step", "final")  # kill points
-OTHER_FAULTS = ("sigterm_at_shutdown", "bug", "rank1_input")
+OTHER_FAULTS = ("sigterm_at_shutdown", "sigterm", "bug", "rank1_input")
 
 
 def die():
@@ -107,6 +109,16 @@ def install(point: str, nth: int) -> None:
 
         train_state.RunLock.release = release_after_signal
         preemption.StopRequests.restore = restore_then_signal
+    elif point == "sigterm":
+        original_step = trainer.Trainer.train_step
+
+        def train_step_then_signal(self, batches):
+            result = original_step(self, batches)
+            if os.environ.get("FAULT_ARGV", "") in " ".join(sys.argv) and hit():
+                os.kill(os.getpid(), signal.SIGTERM)  # recorded by the trainer's handler, answered at this step's end
+            return result
+
+        trainer.Trainer.train_step = train_step_then_signal
     elif point == "bug":
         original_step = trainer.Trainer.train_step
 

@@ -166,3 +166,46 @@ def test_a_distilled_file_into_a_model_without_the_head_names_the_model_to_use()
     state = timm.create_model("deit_tiny_distilled_patch16_224", **TINY).state_dict()
     with pytest.raises(ValueError, match="deit_<size>_<topology>_distilled_patch16_224"):
         load_weights(timm.create_model("deit_tiny_siamese_patch16_224", **TINY), state)
+
+
+def train_distilled(run_dir: Path, teacher: Path, *overrides) -> dict:
+    """A tiny SiameseNorm distilled DeiT on Fashion-MNIST, soft distillation from a tiny RegNetY file."""
+    from vision.train import TrainConfig, train
+
+    cfg = load_config(TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [
+        "model.name=deit_tiny_siamese_distilled_patch16_224",
+        "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
+        "data.num_workers=0", "data.max_train_samples=16", "data.max_val_samples=20", "optim.batch_size=8",
+        "optim.epochs=1", "train.tensorboard=false", "train.threads=1", f"train.output_dir={run_dir}",
+        "distill.type=soft", "distill.teacher=regnety_002", f"distill.teacher_weights={teacher}", "distill.alpha=0.5",
+        "distill.tau=2.0", *overrides])
+    return train(cfg)
+
+
+@pytest.mark.fashion_mnist
+def test_a_distilled_run_exports_reloads_with_equal_outputs_and_fine_tunes_at_another_resolution(tmp_path):
+    """vision.export of a distilled run: timm's create_model reloads it (two tokens, two heads, their average in
+    eval); train.finetune with distillation on continues it at 48 px (DeiT's distilled 384 px fine-tune)."""
+    from safetensors.torch import load_file
+
+    from vision.export import main as export_main
+
+    torch.manual_seed(0)
+    torch.save({"model": timm.create_model("regnety_002", num_classes=10).state_dict()}, tmp_path / "teacher.pth")
+    train_distilled(tmp_path / "run", tmp_path / "teacher.pth")
+    out = export_main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hub")])
+    loaded = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    trained = timm.create_model("deit_tiny_siamese_distilled_patch16_224", img_size=32, num_classes=10,
+                                **{k: v for k, v in TINY.items() if k not in ("img_size", "num_classes")}).eval()
+    trained.load_state_dict(load_file(tmp_path / "run" / "model.safetensors"))
+    x = torch.randn(3, 3, 32, 32)
+    assert loaded.num_prefix_tokens == 2 and torch.equal(loaded(x), trained(x))
+
+    final = train_distilled(tmp_path / "fine", tmp_path / "teacher.pth", "data.input_size=48",
+                            f"train.finetune={tmp_path / 'run' / 'model.safetensors'}")
+    assert final["steps"] == 2 and final["nonfinite_steps"] == 0
+    weights = load_file(tmp_path / "fine" / "model.safetensors")
+    assert weights["pos_embed"].shape == (1, 36 + 2, 32)  # 6 x 6 patches and the two tokens, resampled
+    source = load_file(tmp_path / "run" / "model.safetensors")
+    for key in ("blocks.1.attn.qkv.weight", "dist_token", "head_dist.weight"):  # two warm-up steps from those weights
+        torch.testing.assert_close(weights[key], source[key], rtol=0, atol=1e-3)

@@ -1,0 +1,163 @@
+"""scripts.paper_imagenet: the paper's ImageNet study end to end on the CPU (tiny models, a tiny ImageFolder and tiny
+latents, one job preempted by a real SIGTERM, the rerun continuing it), and its SLURM submissions as a stand-in
+``sbatch`` records them."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.rehearsal import write_image_folder
+from tests.test_bad_input import extract, tiny_vae, write_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+DEIT = ["data.num_classes=2", "data.input_size=32", "data.num_workers=0", "optim.batch_size=4", "optim.epochs=1",
+        "model.kwargs={embed_dim: 16, depth: 2, num_heads: 2, patch_size: 8}", "train.threads=1",
+        "train.tensorboard=false", "train.log_every=1"]
+DIT = ["data.num_classes=2", "model.kwargs={hidden_size: 16, depth: 2, num_heads: 2}", "data.image_size=32", "data.num_workers=0",
+       "optim.batch_size=4", "optim.steps=4", "train.sample_every=0", "train.threads=1", "train.tensorboard=false",
+       "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The study's five inputs, tiny: ImageNet (2 classes), latents of a tiny VAE, Inception (random weights) and a
+    reference batch of 8 images in ADM's npz layout."""
+    from diffusion.evaluation.features import INCEPTION_WEIGHTS_FILE, write_random_inception
+
+    root = tmp_path_factory.mktemp("paper_inputs")
+    for split, seed in (("train", 0), ("val", 1)):
+        write_image_folder(root / "imagenet" / split, classes=2, per_class=4, seed=seed)
+    vae = tiny_vae(root / "vae")
+    extract(write_folder(root / "images", ["n01440764", "n01443537"], per_class=4, size=40), vae, root / "latents")
+    reference = root / "VIRTUAL_imagenet256_labeled.npz"
+    np.savez(reference, arr_0=np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8))
+    return ["--imagenet", root / "imagenet", "--latents", root / "latents", "--vae", vae, "--inception",
+            write_random_inception(root / INCEPTION_WEIGHTS_FILE), "--adm-reference", reference]
+
+
+def study(out, inputs, *extra):
+    return ["--launcher", "local", "--out", out, *inputs, "--fid-samples", "4", "--sample-steps", "2",
+            "--sample-batch-size", "4", "--set-deit", *DEIT, "--set-dit", *DIT, *extra]
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_the_study_runs_end_to_end_and_a_preempted_job_continues(inputs, tmp_path):
+    from common.logging import read_metrics
+    from common.train_state import CheckpointManager
+
+    out = tmp_path / "paper"
+    # DiT-L/4 SiameseNorm's training gets a real SIGTERM after its step 2: it checkpoints and exits 4; the study stops.
+    first = run("-m", "tests.faults", "sigterm", "2", "--", "-m", "scripts.paper_imagenet", *study(out, inputs),
+                env={"FAULT_ARGV": "dit_l4_siamese.yaml"})
+    assert first.returncode == 4, first.stderr[-4000:]
+    assert "Plan (local): 20 jobs, 0 finished and kept" in first.stdout and "GPU-h  after: train_dit_b2_pre" in first.stdout
+    assert "train_dit_l4_siamese stopped with a checkpoint (exit 4)" in first.stdout
+    preempted = out / "runs" / "dit_l4_siamese"
+    assert CheckpointManager(preempted / "checkpoints").steps() == [2] and not (preempted / "final_metrics.json").exists()
+    finished = [out / "runs" / "deit_tiny_pre" / "top1.json", out / "runs" / "dit_b2_siamese" / "fid_samples" / "fid.json",
+                out / "runs" / "dit_l4_pre" / "final_metrics.json"]
+    stamps = [f.stat().st_mtime_ns for f in finished]
+    report = (out / "report.md").read_text()
+    assert "| [dit_l4](dit_l4/report.md) | FID-50K (ADM reference) | -- | -- | -- | 45.21 | 41.34 | -3.87 |" in report
+
+    second = run("-m", "scripts.paper_imagenet", *study(out, inputs))  # the same command: it continues
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "Plan (local): 20 jobs, 15 finished and kept" in second.stdout
+    assert [f.stat().st_mtime_ns for f in finished] == stamps  # finished jobs are not redone
+    steps = [r["step"] for r in read_metrics(preempted) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4]  # continued from its step-2 checkpoint
+    report = (out / "report.md").read_text()
+    top1 = json.loads(finished[0].read_text())["top1"]
+    fid = json.loads((preempted / "fid_samples" / "fid.json").read_text())["metrics"]["fid"]
+    assert f"| [deit_tiny](deit_tiny/report.md) | Top-1 % (ImageNet val) | {top1:.2f} |" in report
+    assert f"| {fid:.2f} |" in report and "| 72.2 | 73.6 | +1.40 |" in report and "20 of 20 jobs finished." in report
+    assert "**Not the paper's protocol**: FID of 4 samples of 2 steps" in report
+    model_report = (out / "dit_l4" / "report.md").read_text()
+    assert model_report.startswith("# ImageNet DiT topology comparison") and "| 2 | 0.0001 | siamese |" in model_report
+
+
+SBATCH = """#!/usr/bin/env bash
+# sbatch as far as a CPU machine allows: record the arguments (one line, unit-separated), answer a job id.
+printf '%s\\x1f' "$@" >> "$LOGS/sbatch"; echo >> "$LOGS/sbatch"
+echo "$((1000 + $(wc -l < "$LOGS/sbatch")));cluster"
+"""
+SQUEUE = """#!/usr/bin/env bash
+cat "$LOGS/queued" 2>/dev/null || true
+"""
+
+
+def test_slurm_submits_every_job_after_the_ones_it_needs_and_not_twice(tmp_path, monkeypatch, capsys):
+    from scripts.paper_imagenet import main
+
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir(), logs.mkdir()
+    for name, text in (("sbatch", SBATCH), ("squeue", SQUEUE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    paths = []
+    for flag in ("imagenet", "latents", "vae", "inception", "adm-reference"):
+        (tmp_path / flag).mkdir()
+        paths += [f"--{flag}", str(tmp_path / flag)]
+    out = tmp_path / "paper"
+    args = ["--launcher", "slurm", "--out", str(out), *paths]
+
+    system_path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path / "logs"))  # no sbatch: one line; --dry-run prints the commands
+    with pytest.raises(SystemExit) as refused:
+        main(args)
+    assert refused.value.code == 2 and "error: sbatch is not on PATH" in capsys.readouterr().err
+    main(args + ["--dry-run"])
+    printed = capsys.readouterr().out
+    assert ("sbatch --parsable --job-name=paper-eval_deit_tiny_pre " in printed
+            and "--dependency=afterok:$train_deit_tiny_pre scripts/cluster/train.sbatch --config" in printed)
+
+    monkeypatch.setenv("PATH", f"{bin_dir}:{system_path}")
+    monkeypatch.setenv("LOGS", str(logs))
+    main(args)
+    calls = [line.split("\x1f")[:-1] for line in (logs / "sbatch").read_text().splitlines()]
+    assert len(calls) == 20
+    ids = {c[1].removeprefix("--job-name=paper-"): str(1001 + i) for i, c in enumerate(calls)}
+    by_name = {c[1].removeprefix("--job-name=paper-"): c for c in calls}
+    train = by_name["train_dit_b2_siamese"]
+    assert train[:5] == ["--parsable", "--job-name=paper-train_dit_b2_siamese", f"--output={out}/logs/%x-%j.out",
+                         "--export=ALL,MODULE=diffusion.train", "scripts/cluster/train.sbatch"]
+    assert train[5:7] == ["--config", str(ROOT / "configs/dit_b2_siamese.yaml")]
+    assert by_name["sample_dit_b2_siamese"][4] == f"--dependency=afterok:{ids['train_dit_b2_siamese']}"
+    fid = by_name["fid_dit_b2_siamese"]
+    assert fid[3:7] == ["--export=ALL,MODULE=diffusion.fid", f"--dependency=afterok:{ids['sample_dit_b2_siamese']}",
+                        "--ntasks-per-node=1", "--gpus-per-node=1"]
+    assert by_name["eval_deit_small_pre"][3:5] == ["--export=ALL,MODULE=vision.evaluate",
+                                                   f"--dependency=afterok:{ids['train_deit_small_pre']}"]
+    assert (ROOT / train[4]).is_file()
+
+    (logs / "queued").write_text("\n".join(ids.values()) + "\n")  # all still queued: nothing is submitted again
+    main(args)
+    assert len((logs / "sbatch").read_text().splitlines()) == 20
+    assert "train_deit_tiny_pre: queued as SLURM job 1001 (submitted before)" in capsys.readouterr().out
+
+    (logs / "queued").write_text("")  # gone from the queue; one training finished: the rest is submitted again
+    (out / "runs" / "deit_tiny_pre").mkdir(parents=True)
+    (out / "runs" / "deit_tiny_pre" / "final_metrics.json").write_text("{}")
+    main(args)
+    again = [line.split("\x1f")[:-1] for line in (logs / "sbatch").read_text().splitlines()[20:]]
+    names = [c[1].removeprefix("--job-name=paper-") for c in again]
+    assert len(again) == 19 and "train_deit_tiny_pre" not in names
+    assert not any(a.startswith("--dependency") for a in again[names.index("eval_deit_tiny_pre")])
+
+
+def test_missing_inputs_are_one_line_before_anything_runs(tmp_path, capsys):
+    from scripts.paper_imagenet import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--launcher", "local", "--out", str(tmp_path / "p"), "--models", "dit_b2", "--latents", str(tmp_path)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --vae is needed for dit_b2"
+    assert not (tmp_path / "p").exists()
