@@ -242,10 +242,9 @@ BUILDERS = {"sample": sample_row, "evaluate": evaluate_row, "train": train_row, 
 
 
 def row_command(a, name: str) -> str:
-    """The command that reruns row ``name`` with these settings."""
-    repo = {"sample": f" --dit-repo {a.dit_repo}", "evaluate": f" --timm-repo {a.timm_repo}",
-            "train": f" --timm-repo {a.timm_repo}", "fid": ""}[name]
-    return f"python -m benchmarks.vs_peers --rows {name}{repo} --rounds {a.rounds} --threads {a.threads}"
+    """The command that reruns row ``name`` with these settings (its checkout, and every option not at its default)."""
+    repo = f" --{NEEDS[name].replace('_', '-')} {getattr(a, NEEDS[name])}" if name in NEEDS else ""
+    return f"python -m benchmarks.vs_peers --rows {name}{repo}" + "".join(f" {flag} {value}" for flag, value in a.changed)
 
 
 # ------------------------------------------------------------------------------------------------- the CLI
@@ -277,6 +276,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     f = p.add_argument_group("fid")
     f.add_argument("--fid-count", type=int, default=1000, help="PNGs in each of the two folders")
     a = p.parse_args(argv)
+    a.changed = [(action.option_strings[0], getattr(a, action.dest)) for action in p._actions
+                 if action.option_strings and action.dest not in ("help", "rows", "dit_repo", "timm_repo", "workdir")
+                 and getattr(a, action.dest) != action.default]
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     unknown = [r for r in a.rows if r not in ROWS]
     if unknown or not a.rows:

@@ -45,6 +45,14 @@ def test_row_alternates_flips_and_reports_per_round_ratios(tmp_path, capsys):
     assert "| measure | peer | ratio (ours/peer) |" in out and "| trivial | peer cmd |" in out
 
 
+def test_row_command_reruns_the_row_with_the_options_given(tmp_path):
+    (tmp_path / "sample.py").write_text("")
+    a = vs_peers.parse_args(["--rows", "sample,fid", "--dit-repo", str(tmp_path), "--rounds", "3", "--steps", "20"])
+    assert vs_peers.row_command(a, "sample") == \
+        f"python -m benchmarks.vs_peers --rows sample --dit-repo {tmp_path} --rounds 3 --steps 20"
+    assert vs_peers.row_command(a, "fid") == "python -m benchmarks.vs_peers --rows fid --rounds 3 --steps 20"
+
+
 def test_failing_command_stops_with_its_output(tmp_path):
     failing = vs_peers.command_rate(1, [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"],
                                     vs_peers.environment(1, []))
