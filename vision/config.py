@@ -208,4 +208,5 @@ class EvalConfig:
     weights: Literal["model", "ema"] = "model"  # which weights of a training checkpoint
     batch_size: Annotated[int, Range(ge=1)] = 256  # images per forward pass, per process
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    compile: Union[bool, Literal["auto"]] = "auto"  # torch.compile the model once (fixed shapes); auto: on CUDA only
     output: Optional[str] = None  # JSON results file (default: <checkpoint>.eval.json, or print only)

@@ -215,11 +215,14 @@ def rgb_view(image: Image.Image) -> torch.Tensor:
 # ----------------------------------------------------------------------------- loaders
 
 def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: Union[int, str], rank: int = 0,
-                      world: int = 1) -> DataLoader:
+                      world: int = 1, persistent_workers: bool = False) -> DataLoader:
     """Sequential evaluation loader over process ``rank``'s shard (images ``rank, rank + world, ...``): every image
-    is evaluated once, with no padding (accelerate's even batches would fill a small set up to a batch per process)."""
+    is evaluated once, with no padding (accelerate's even batches would fill a small set up to a batch per process).
+    Workers decode ahead of the forward (two batches each), into pinned memory on CUDA; ``persistent_workers`` keeps
+    them between passes (a training run's evaluations) instead of starting them again for each."""
     if world > 1:
         dataset = torch.utils.data.Subset(dataset, range(rank, len(dataset), world))
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=resolve_num_workers(num_workers),
-                      worker_init_fn=ignore_in_workers(),
+    workers = resolve_num_workers(num_workers)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                      worker_init_fn=ignore_in_workers(), persistent_workers=persistent_workers and workers > 0,
                       pin_memory=torch.cuda.is_available())

@@ -32,25 +32,45 @@ from common.durable import atomic_write_text
 from vision.config import DataConfig, EvalConfig, ModelConfig  # noqa: F401  (the settings, without timm)
 
 
+def compile_for_eval(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` compiled for :func:`evaluate` with ``compiled=True``: one graph of fixed shapes (``dynamic=False``),
+    the weights shared with ``model``."""
+    return torch.compile(model, dynamic=False)
+
+
+def pad_batch(images: torch.Tensor, size: int) -> torch.Tensor:
+    """``images`` filled up to ``size`` rows with copies of its last one (a compiled model's fixed batch)."""
+    pad = size - images.shape[0]
+    return torch.cat([images, images[-1:].expand(pad, *images.shape[1:])]) if pad > 0 else images
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator) -> dict:
+def evaluate(model: torch.nn.Module, loader, accelerator, compiled: bool = False) -> dict:
     """Top-1, Top-5 (percent), mean cross-entropy and the count of the images they were computed on.
 
     ``loader`` holds this process's shard of the evaluation set (:func:`vision.data.build_eval_loader` with the
     process's rank: every image on exactly one process, no padding); the sums are all-reduced once at the end.
+    Batches reach the device one ahead of the forward (:class:`common.data.DevicePrefetcher`).
+    ``compiled``: ``model`` is compiled for one batch shape (:func:`compile_for_eval`), the first batch's, so a
+    smaller last batch is padded to it and the padding's logits are cut off before anything is counted.
     Images the dataset could not read (target ``-1 - index``, see :class:`vision.data.ReadableImageFolder`) are left
     out of every metric and reported as ``unreadable`` with their files.
     """
+    from common.data import DevicePrefetcher
     from common.distributed import gather_objects
 
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, top-1, top-5, images
     unreadable = []  # per batch, on the device: the file index of each unreadable image, -1 for the others
-    for images, targets in loader:
-        images, targets = images.to(accelerator.device), targets.to(accelerator.device)
+    compiled_batch = None
+    for images, targets in DevicePrefetcher(loader, accelerator.device):
+        count = images.shape[0]
+        if compiled:
+            compiled_batch = compiled_batch or count
+            images = pad_batch(images, compiled_batch)
         with accelerator.autocast():
-            logits = model(images).float()
+            logits = model(images)[:count].float()
         readable = targets >= 0
         unreadable.append((-1 - targets).clamp(min=-1))  # read once at the end: no host sync per batch
         labels = targets.clamp(min=0)
@@ -97,6 +117,8 @@ def run(cfg: EvalConfig) -> dict:
     from vision.deit import build_model
 
     check_registered(cfg)
+    from common.trainer import resolve_compile
+
     accelerator = build_accelerator(cfg.precision, run_dir=None, tensorboard=False)
     model = build_model(cfg.model, cfg.data)
     if cfg.checkpoint:
@@ -106,7 +128,8 @@ def run(cfg: EvalConfig) -> dict:
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.data.num_workers, accelerator.process_index,
                                accelerator.num_processes)
     model = model.to(accelerator.device)
-    metrics = evaluate(model, loader, accelerator)
+    compiled = resolve_compile(cfg.compile, accelerator.device)
+    metrics = evaluate(compile_for_eval(model) if compiled else model, loader, accelerator, compiled)
     metrics.update(model=cfg.model.name, checkpoint=cfg.checkpoint, weights=cfg.weights)
     output = cfg.output or (str(Path(cfg.checkpoint).with_suffix(".eval.json")) if cfg.checkpoint else None)
     if accelerator.is_main_process:

@@ -19,7 +19,7 @@ from vision.augment import NormalizeErase, build_mixup, build_transform
 from vision.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: F401
 from vision.data import build_dataset, build_eval_loader, check_same_classes, load_rgb_tensor, unreadable_flags
 from vision.deit import build_model
-from vision.evaluate import evaluate
+from vision.evaluate import compile_for_eval, evaluate
 
 # What a DeiT run reports (final_metrics.json, the demo, the studies): the raw model's Top-1, as DeiT's recipe does;
 # the EMA's is logged alongside as val_ema/top1. vision.export exports these weights unless told otherwise.
@@ -49,6 +49,7 @@ class DeiTTask(trainer.Task):
         self.repeats = cfg.augment.repeated_aug
         self.lr = cfg.optim.lr
         self.last_eval: dict = {}
+        self.eval_models: dict = {}  # id(weights) -> their compiled evaluation model, when the run compiles
 
     def setup(self, accelerator) -> None:
         cfg = self.cfg
@@ -64,7 +65,8 @@ class DeiTTask(trainer.Task):
         val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
         check_same_classes(self.train_set, val_set)
         self.val_loader = build_eval_loader(val_set, cfg.train.eval_batch_size, cfg.data.num_workers,
-                                            accelerator.process_index, accelerator.num_processes)
+                                            accelerator.process_index, accelerator.num_processes,
+                                            persistent_workers=True)
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
         self.criterion = build_criterion(cfg.augment)
         if cfg.distill.on:  # DeiT's distillation: the teacher sees the same (mixed) images as the student
@@ -74,6 +76,7 @@ class DeiTTask(trainer.Task):
             self.criterion = DistillationLoss(self.criterion, teacher, cfg.distill.type, cfg.distill.alpha,
                                               cfg.distill.tau or 1.0)
         self.batch_transform = NormalizeErase(cfg.data, cfg.augment)
+        self.compile_eval = trainer.resolve_compile(cfg.train.compile, accelerator.device)  # as the training model
 
     def build_feed(self, sampler, batch_size: int, device):
         cfg = self.cfg
@@ -137,15 +140,23 @@ class DeiTTask(trainer.Task):
         every, epoch = self.cfg.train.eval_every, ctx.epoch
         if not (ctx.last or (ctx.epoch_end and every and epoch % every == 0)):
             return None
-        # The bare model: evaluating the compiled one would compile its eval-mode graph as well.
-        metrics = {f"val/{k}": v for k, v in evaluate(ctx.model, self.val_loader, self.accelerator).items()}
+        metrics = {f"val/{k}": v for k, v in self._evaluate(ctx.model).items()}
         if ctx.ema_model is not None:
-            metrics.update({f"val_ema/{k}": v for k, v in evaluate(ctx.ema_model, self.val_loader, self.accelerator).items()})
+            metrics.update({f"val_ema/{k}": v for k, v in self._evaluate(ctx.ema_model).items()})
         metrics["epoch"] = epoch
         self.accelerator.print(f"epoch {epoch}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()
                                                              if k.endswith(("top1", "loss"))))
         self.last_eval = metrics
         return metrics
+
+    def _evaluate(self, weights: torch.nn.Module) -> dict:
+        """Top-1 etc. of ``weights`` (bare), through an evaluation model compiled once per weights when the
+        training model is compiled (its own eval-mode graph, fixed shapes), else eager."""
+        if not self.compile_eval:
+            return evaluate(weights, self.val_loader, self.accelerator)
+        if id(weights) not in self.eval_models:
+            self.eval_models[id(weights)] = compile_for_eval(weights)
+        return evaluate(self.eval_models[id(weights)], self.val_loader, self.accelerator, compiled=True)
 
     def final_metrics(self, ctx: trainer.StepContext) -> dict:
         return {**self.last_eval, "skipped_images": self._skipped()}
