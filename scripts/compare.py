@@ -9,7 +9,7 @@ Every run trains through the real trainer (``vision.train.train`` / ``diffusion.
 ``configs/fmnist_deit.yaml`` / ``configs/fmnist_dit.yaml``) in ``OUT/runs/<topology>_d<depth>_lr<lr>_s<seed>``,
 is evaluated by the real evaluator (Top-1 of ``vision.evaluate`` on the held-out split; for DiT, samples from
 ``diffusion.sample`` scored by ``diffusion.fid`` with the Fashion-MNIST classifier features), and is diagnosed with
-``common.diagnostics`` (``scripts.diagnose``). A finished run leaves ``result.json`` and is not redone; an unfinished one continues
+``common.diagnostics`` (``comparison.diagnose``). A finished run leaves ``result.json`` and is not redone; an unfinished one continues
 from its last training checkpoint. ``OUT/report.md`` (``--report`` elsewhere) gets: mean +- std over seeds,
 paired differences to Pre-Norm, diverged runs (non-finite loss, or a loss that ends above its first logged
 value) and the step it happened, loss curves, the diagnostic plots, and a check of the paper's four claims.
@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence
 from common.cli import InputError, one_line_errors
 from common.durable import atomic_write_text
 from common.train_state import RunLock, RunLockedError
-from scripts.compare_report import DIAGNOSTICS_FILE, METRIC, write_objectives_report, write_report
+from comparison.report import DIAGNOSTICS_FILE, METRIC, write_objectives_report, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILE = "result.json"
@@ -171,7 +171,7 @@ def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
 
 
 def diagnose_deit(run_dir: Path, opts) -> dict:
-    from scripts.diagnose import diagnose_deit_run
+    from comparison.diagnose import diagnose_deit_run
 
     return diagnose_deit_run(run_dir, max_images=opts.diag_images, batch_size=min(250, opts.diag_images or 250))
 
@@ -226,7 +226,7 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
 
 
 def diagnose_dit(run_dir: Path, opts) -> dict:
-    from scripts.diagnose import diagnose_dit_run
+    from comparison.diagnose import diagnose_dit_run
 
     return diagnose_dit_run(run_dir, max_images=opts.diag_images)
 

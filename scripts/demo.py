@@ -8,7 +8,7 @@ the selected families, prints one table (Top-1, params, training images/s, wall 
   test images.
 * DiT: pixel-space micro-DiTs (``configs/fmnist_dit_{pre,siamese}.yaml``), EMA sample grids
   (``<out>/dit_<topology>_grid.png``) and the Frechet distance of generated samples to the test set in the
-  features of a small Fashion-MNIST classifier (trained once and cached by ``scripts.train_fmnist_classifier``).
+  features of a small Fashion-MNIST classifier (trained once and cached by ``diffusion.evaluation.fmnist_classifier``).
 
     python -m scripts.demo                              # both families, both topologies, default budget
     python -m scripts.demo --families deit --train-images 10000     # quicker, less accurate
@@ -63,14 +63,16 @@ def demo_deit(out_dir: Path, args) -> tuple:
 
 def ensure_fmnist_classifier(args) -> None:
     """The Fashion-MNIST feature extractor for the Frechet distance: train it once if the cache lacks it."""
+    from common.cli import one_line_errors
     from diffusion.evaluation.features import FeatureExtractorError, resolve_weights
-    from scripts import train_fmnist_classifier
+    from diffusion.evaluation.fmnist_classifier import train_fmnist_classifier
 
     try:
         resolve_weights("fmnist-cnn")
     except FeatureExtractorError:
         print(f"training the Fashion-MNIST feature classifier once ({args.classifier_epochs} epoch(s)) ...")
-        train_fmnist_classifier.main(["--epochs", str(args.classifier_epochs)])
+        with one_line_errors():
+            train_fmnist_classifier(epochs=args.classifier_epochs)
 
 
 def demo_dit(out_dir: Path, args) -> tuple:

@@ -1,5 +1,6 @@
 """The package arrows the layout promises: common/ serves both families and imports neither; vision/ and
-diffusion/ never import each other. A crossed arrow is how a second copy of an idea starts."""
+diffusion/ never import each other; scripts/ holds entry points that no module imports (only tests run them). A
+crossed arrow is how a second copy of an idea starts."""
 import ast
 from pathlib import Path
 
@@ -26,6 +27,14 @@ def test_package_imports_respect_the_layout(package):
     assert files, f"no sources under {package}/"
     crossed = {str(f.relative_to(ROOT)): sorted(imported_packages(f) & FORBIDDEN[package]) for f in files}
     assert not {f: p for f, p in crossed.items() if p}, f"{package}/ must not import {sorted(FORBIDDEN[package])}"
+
+
+def test_no_module_imports_an_entry_point_of_scripts():
+    files = [f for f in sorted(ROOT.rglob("*.py")) if f.relative_to(ROOT).parts[0] not in ("tests", ".venv")
+             and not any(part.startswith(".") for part in f.relative_to(ROOT).parts)]
+    assert any(f.parent.name == "scripts" for f in files) and any(f.parent.name == "benchmarks" for f in files)
+    importers = [str(f.relative_to(ROOT)) for f in files if "scripts" in imported_packages(f)]
+    assert not importers, "move what these import from scripts/ into a package (scripts/ keeps entry points)"
 
 
 def test_the_scan_sees_lazy_imports(tmp_path):
