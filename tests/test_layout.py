@@ -37,6 +37,40 @@ def test_no_module_imports_an_entry_point_of_scripts():
     assert not importers, "move what these import from scripts/ into a package (scripts/ keeps entry points)"
 
 
+def module_graph() -> dict:
+    """``{module: the project modules it imports}`` over every package (lazy imports count; ``if TYPE_CHECKING:``
+    blocks, which never run, do not)."""
+    files = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in ROOT.rglob("*.py") if f.relative_to(ROOT).parts[0] not in ("tests", ".venv")
+             and not any(part.startswith(".") for part in f.relative_to(ROOT).parts)}
+    graph = {}
+    for name, f in files.items():
+        tree = ast.parse(f.read_text(), filename=str(f))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.update([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+        graph[name] = (targets & set(files)) - {name}
+    return graph
+
+
+def test_no_import_circle():
+    graph = module_graph()
+    assert "diffusion.evaluation.metrics" in graph and "comparison.report" in graph
+
+    def reaches(start, goal, seen):
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
+
+    circles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
 def test_the_scan_sees_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from diffusion.latents import load_vae\n")
