@@ -432,7 +432,7 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     from common.distributed import use_fast_cuda_kernels
     from diffusion.models import DiT_models
     from diffusion.spec import DiTSpec
-    from diffusion.sampling import Decoder, Sampler
+    from diffusion.sampler import Decoder, Sampler
 
     use_fast_cuda_kernels()  # what diffusion.sample's main sets
     vae_dir = workdir / "vae"
