@@ -575,7 +575,7 @@ def run_parts(names: Sequence[str], jobs: dict, plan: Plan, results: dict, save:
 
 def main(argv: Sequence[str] | None = None, started: Optional[float] = None) -> dict:
     """``started``: when the budget's clock started (the command line passes the module's import time, before
-    torch's; by default now)."""
+    torch's; by default the time of the call)."""
     p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/gpu_check.json", help="JSON results file (rewritten after every part)")
