@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from scripts.compare import detect_divergence, loss_curve, main
+from comparison.runs import detect_divergence, loss_curve
+from scripts.compare import main
 
 # A micro-DeiT on 256 Fashion-MNIST images: 8 steps of batch 32, about a second per run on one thread.
 TINY = ["--task", "deit", "--quick", "--depths", "2", "--train-images", "256", "--val-images", "100",
