@@ -15,6 +15,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 from torch import nn
 
+# Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU; MFU is null on other devices.
+PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.1e12, "A10G": 70e12, "L4": 121e12}
+
 _START = time.perf_counter()
 
 

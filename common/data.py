@@ -46,6 +46,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from common.cli import InputError, InputNotFoundError
+from common.preemption import STOP_SIGNALS
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -339,9 +340,6 @@ def resolve_num_workers(setting: Union[int, str]) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(0, cpus // max(1, local) - 1)
-
-
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 def _ignore_signals(names, worker_id: int) -> None:

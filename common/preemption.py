@@ -1,6 +1,6 @@
 """Stopping a run cleanly where clusters stop jobs: a signal before the kill, a time limit, a rank that dies.
 
-    stop = StopRequests(["SIGTERM", "SIGUSR1"], ckpt_every_minutes=30)
+    stop = StopRequests(STOP_SIGNALS, ckpt_every_minutes=30)
     stop.install()
     ...
     after each optimizer step:  signal, checkpoint_due = stop.agree(step)    # the same answer on every rank
@@ -25,6 +25,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from common.cli import InputError
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what SLURM, Kubernetes and spot instances send (``train.stop_signals``)
 
 EXIT_PAUSED = 3  # the run stopped at train.stop_at_step: incomplete, continue it with the same command
 EXIT_PREEMPTED = 4  # a stop signal arrived: a checkpoint of this step was written; requeue the same command
@@ -56,7 +58,7 @@ class StopRequests:
             process).
     """
 
-    def __init__(self, signals: Sequence[str] = ("SIGTERM",), ckpt_every_minutes: Optional[float] = None,
+    def __init__(self, signals: Sequence[str] = STOP_SIGNALS, ckpt_every_minutes: Optional[float] = None,
                  check_every: int = 1, group=None, world: int = 1, rank: int = 0):
         self.signals = [signal_number(s) for s in signals]
         self.ckpt_every_s = None if ckpt_every_minutes is None else 60.0 * ckpt_every_minutes

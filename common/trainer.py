@@ -43,7 +43,8 @@ from common.distributed import (build_accelerator, check_divisible, check_engine
                                 rank_seed, seed_everything, use_fast_cuda_kernels)
 from common.durable import atomic_write_text
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
-from common.preemption import EXIT_PAUSED, EXIT_PREEMPTED, StopRequests, ignore_stop_signals_at_exit, signal_number
+from common.preemption import (EXIT_PAUSED, EXIT_PREEMPTED, STOP_SIGNALS, StopRequests, ignore_stop_signals_at_exit,
+                               signal_number)
 from common.train_state import (CheckpointManager, RunDirectoryError, RunLock, RunLockedError, capture_rng_state,
                                 check_run_directory, preserved_rng, resolve_resume, restore_process_rng)
 
@@ -89,7 +90,7 @@ class RunConfig:
     max_nonfinite: Annotated[int, Range(ge=1)] = 20  # non-finite steps in a row before the run stops (checked on logging steps)
     stop_at_step: Optional[Annotated[int, Range(ge=1)]] = None  # end this invocation at this step (exit 3); the same command continues
     ckpt_every_minutes: Optional[Annotated[float, Range(gt=0)]] = None  # also checkpoint when this long passed since the last one
-    stop_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # checkpoint this step, exit 4
+    stop_signals: List[str] = field(default_factory=lambda: list(STOP_SIGNALS))  # checkpoint this step, exit 4
     stop_check_every: Annotated[int, Range(ge=1)] = 1  # steps between the ranks' agreement on signals and time (a CPU all-reduce)
     dist_timeout_minutes: Annotated[float, Range(gt=0)] = 30.0  # a collective waiting this long (a dead or stuck rank) ends the run
     ddp_static_graph: bool = False  # DDP static_graph=True (valid when every step uses every parameter the same way)

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from common.cli import ArgumentParser, one_line_errors
-from diffusion.sampling import Decoder, SamplingError
+from diffusion.sampler import Decoder, SamplingError
 
 FORMATS = ("hub", "diffusers")
 

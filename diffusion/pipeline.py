@@ -2,7 +2,7 @@
 
 diffusers' ``DiTPipeline`` splits the learned-variance channels off and steps a scheduler with its own fixed
 variance; this pipeline steps with the variance the model learned, on ADM's respaced timesteps, exactly as
-``python -m diffusion.sample`` does (:func:`diffusion.sampling.sample_loop`), for diffusers' ``DiTTransformer2DModel``
+``python -m diffusion.sample`` does (:func:`diffusion.sampler.sample_loop`), for diffusers' ``DiTTransformer2DModel``
 (a Pre-Norm DiT, :func:`diffusion.hub.to_diffusers_transformer`) and for our :class:`~diffusion.hub.DiTModel` (any
 topology).
 
@@ -28,7 +28,7 @@ from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
 from diffusion.models import DiT, guide
 from diffusion.spec import DiTSpec
-from diffusion.sampling import SAMPLERS, SamplingError, guided_fn, model_fn_for, sample_generators, sample_loop
+from diffusion.sampler import SAMPLERS, SamplingError, guided_fn, model_fn_for, sample_generators, sample_loop
 
 
 def scheduler_for(spec: DiTSpec) -> DDPMScheduler:

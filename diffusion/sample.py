@@ -41,7 +41,7 @@ content: a rerun whose checkpoint holds other weights (e.g. a training run refre
 between) is refused, so a sample set never mixes two models. Every file is written atomically and fsynced.
 Outputs: ``OUT/samples.npz`` (ADM format: ``arr_0`` uint8 [N, H, W, C], ``arr_1`` labels, and the sampling
 protocol as JSON, which diffusion.fid records), ``OUT/images/*.png`` with ``--format png|both``.
-Chunk files must be on a file system all processes share. The sampler itself is :mod:`diffusion.sampling`.
+Chunk files must be on a file system all processes share. The sampler itself is :mod:`diffusion.sampler`.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
 from common.distributed import use_fast_cuda_kernels
 from diffusion.gaussian_diffusion import SPACINGS
-from diffusion.sampling import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
+from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
                                 class_names, sampling_objective, write_grid, write_sample_set)
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
@@ -119,7 +119,7 @@ def run_grid(args, sampler: Sampler) -> dict:
 
 
 def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
-    """Samples ``0..N-1`` into ``--out-dir``, resumable (:func:`diffusion.sampling.write_sample_set`)."""
+    """Samples ``0..N-1`` into ``--out-dir``, resumable (:func:`diffusion.sampler.write_sample_set`)."""
     settings = {"checkpoint": str(args.checkpoint), "weights": args.weights_used, "weights_sha256": args.weights_sha256,
                 "steps": args.steps, "spacing": args.spacing, **sampler.settings(), "num_samples": args.num_samples,
                 "batch_size": args.batch_size}

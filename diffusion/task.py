@@ -27,7 +27,7 @@ from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.transport import Transport, transport_from_config
 
 if TYPE_CHECKING:  # timm, diffusers, torch-fidelity: imported where they are used, so that the settings load without
-    from diffusion.sampling import Decoder, Sampler
+    from diffusion.sampler import Decoder, Sampler
     from diffusion.spec import DiTSpec
 
 
@@ -166,7 +166,7 @@ class TrainConfig:
     repa: RepaConfig = field(default_factory=RepaConfig)
 
     def __post_init__(self):
-        from diffusion.sampling import SAMPLERS, TRANSPORT_SAMPLERS
+        from diffusion.sampler import SAMPLERS, TRANSPORT_SAMPLERS
 
         allowed = TRANSPORT_SAMPLERS if self.transport.enabled else SAMPLERS
         if self.train.sampler is not None and self.train.sampler not in allowed:
@@ -206,7 +206,7 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
     """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once, checked against the VAE of the
     latents, and drawing non-finite samples black (a grid or FID never stops a run)."""
     from diffusion.latents import VAENotFoundError
-    from diffusion.sampling import Decoder
+    from diffusion.sampler import Decoder
 
     try:
         return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
@@ -220,7 +220,7 @@ def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int
                   cfg_scale: float = 1.0, precision: str = "fp32", sampler: Optional[str] = None) -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
-    from diffusion.sampling import Sampler, sampling_objective
+    from diffusion.sampler import Sampler, sampling_objective
 
     objective, name, flow = sampling_objective(spec, steps, sampler)
     return Sampler(ema_model, spec, decoder, objective, name, cfg_scale=cfg_scale, seed=seed, device=str(device),
@@ -241,7 +241,7 @@ def eval_mode(model):
 @torch.no_grad()
 def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
     """Sample ``i`` of class ``i % num_classes``, fixed noise: the same grid at every step, upscaled and labelled."""
-    from diffusion.sampling import write_grid
+    from diffusion.sampler import write_grid
 
     indices = torch.arange(cfg.train.sample_count)
     labels = indices % cfg.data.num_classes
@@ -285,7 +285,7 @@ class InTrainingFid:
     def __call__(self, sampler, accelerator) -> Optional[dict]:
         """``fid/...`` metrics on the main process, None on the others."""
         from common.distributed import gather_objects
-        from diffusion.sampling import balanced_labels
+        from diffusion.sampler import balanced_labels
 
         start = time.perf_counter()
         chunks = list(torch.arange(self.cfg.fid_samples).split(self.cfg.fid_batch_size))
@@ -405,7 +405,7 @@ class DiTTask(trainer.Task):
     def _build_samplers(self, ctx: trainer.StepContext) -> None:
         """The samplers, once, when first needed: the grid sampler on the main process, the FID sampler on every
         process (in-training FID samples on all of them)."""
-        from diffusion.sampling import class_names
+        from diffusion.sampler import class_names
 
         cfg, run, device = self.cfg, self.cfg.train, self.accelerator.device
         self._samplers_built = True

@@ -19,7 +19,7 @@ Sampling integrates from ``t = 0`` to 1. ODE: the velocity field (:meth:`Transpo
 Heun steps (written here) or an adaptive solver (``torchdiffeq``, as SiT). SDE: ``dx = [v + w_t s] dt +
 sqrt(2 w_t) dW`` with the score ``s`` and a diffusion coefficient ``w_t`` (:data:`DIFFUSION_FORMS`), by
 Euler-Maruyama or SiT's stochastic Heun steps, then one last step to ``t = 1`` (:data:`LAST_STEPS`). The step rules
-are methods here, pure functions of tensors; the loops, noise and guidance are :mod:`diffusion.sampling`'s.
+are methods here, pure functions of tensors; the loops, noise and guidance are :mod:`diffusion.sampler`'s.
 """
 from __future__ import annotations
 

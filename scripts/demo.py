@@ -8,7 +8,7 @@ the selected families, prints one table (Top-1, params, training images/s, wall 
   test images.
 * DiT: pixel-space micro-DiTs (``configs/fmnist_dit_{pre,siamese}.yaml``), EMA sample grids
   (``<out>/dit_<topology>_grid.png``) and the Frechet distance of generated samples to the test set in the
-  features of a small Fashion-MNIST classifier (trained once and cached by ``scripts.train_fmnist_classifier``).
+  features of a small Fashion-MNIST classifier (trained once and cached by ``diffusion.evaluation.fmnist_classifier``).
 
     python -m scripts.demo                              # both families, both topologies, default budget
     python -m scripts.demo --families deit --train-images 10000     # quicker, less accurate
@@ -19,6 +19,7 @@ import argparse
 import json
 import shutil
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -63,14 +64,16 @@ def demo_deit(out_dir: Path, args) -> tuple:
 
 def ensure_fmnist_classifier(args) -> None:
     """The Fashion-MNIST feature extractor for the Frechet distance: train it once if the cache lacks it."""
+    from common.cli import one_line_errors
     from diffusion.evaluation.features import FeatureExtractorError, resolve_weights
-    from scripts import train_fmnist_classifier
+    from diffusion.evaluation.fmnist_classifier import train_fmnist_classifier
 
     try:
         resolve_weights("fmnist-cnn")
     except FeatureExtractorError:
         print(f"training the Fashion-MNIST feature classifier once ({args.classifier_epochs} epoch(s)) ...")
-        train_fmnist_classifier.main(["--epochs", str(args.classifier_epochs)])
+        with one_line_errors():
+            train_fmnist_classifier(epochs=args.classifier_epochs)
 
 
 def demo_dit(out_dir: Path, args) -> tuple:
@@ -109,13 +112,30 @@ def demo_dit(out_dir: Path, args) -> tuple:
 
 FAMILIES = {"deit": demo_deit, "dit": demo_dit}
 
-# What one seed can tell, from the multi-seed reports in docs/results/ (same recipes, 2-core CPU).
-ONE_SEED = """One seed each: this shows that both topologies train, not which is better. Over 6 seeds of this DeiT
-setting (1 epoch, depth 6) SiameseNorm - Pre-Norm was -0.04 Top-1 (95% interval +-0.91; docs/results/deit_6seeds),
-and over 3 seeds of a micro-DiT at depth 4 it was -15 in Frechet distance (+-28; docs/results/dit_1500): single-seed
-gaps of that size are seed noise. Where the pre-registered studies (docs/results/deit_depth, dit_long) found
-a real gap, one seed does show it: DeiT at depth 12 or 24 for 3 epochs (+1.0 Top-1 on average; SiameseNorm ahead
-in all 12 pairs), the micro-DiT at depth 8 for 3,000 steps (-14 in distance; lower in all 6 pairs)."""
+RESULTS = ROOT / "docs" / "results"
+
+
+def one_seed_note(results: Path = RESULTS) -> str:
+    """What one seed can tell, in the figures of the multi-seed reports on the same recipes (their summary.json):
+    SiameseNorm - Pre-Norm paired by seed, at lr 1e-3."""
+    from comparison.report import mean_interval, recorded_differences
+
+    def pairs(study: str, depth: int) -> list:
+        return recorded_differences(results / study / "summary.json", "siamese")[(depth, 1e-3)]
+
+    deit, dit = pairs("deit_6seeds", 6), pairs("dit_1500", 4)
+    (deit_mean, deit_half), (dit_mean, dit_half) = mean_interval(deit), mean_interval(dit)
+    deep, long = pairs("deit_depth", 12) + pairs("deit_depth", 24), pairs("dit_long", 8)
+    return textwrap.fill(
+        f"One seed each: this shows that both topologies train, not which is better. Over {len(deit)} seeds of this "
+        f"DeiT setting (1 epoch, depth 6) SiameseNorm - Pre-Norm was {deit_mean:+.2f} Top-1 (95% interval "
+        f"+-{deit_half:.2f}; docs/results/deit_6seeds), and over {len(dit)} seeds of a micro-DiT at depth 4 it was "
+        f"{dit_mean:+.0f} in Frechet distance (+-{dit_half:.0f}; docs/results/dit_1500): single-seed gaps of that size "
+        "are seed noise. Where the pre-registered studies (docs/results/deit_depth, dit_long) found a real gap, one "
+        f"seed does show it: DeiT at depth 12 or 24 for 3 epochs ({statistics.fmean(deep):+.1f} Top-1 on average; "
+        f"SiameseNorm ahead in {sum(d > 0 for d in deep)} of {len(deep)} pairs), the micro-DiT at depth 8 for 3,000 "
+        f"steps ({statistics.fmean(long):+.0f} in distance; lower in {sum(d < 0 for d in long)} of {len(long)} pairs).",
+        width=115)
 
 
 def print_table(rows: list) -> None:
@@ -186,7 +206,7 @@ def main(argv=None) -> list:
         rows += r
         curves.update(c)
     print_table(rows)
-    print("\n" + ONE_SEED)
+    print("\n" + one_seed_note())
     plot_curves(curves, args.out / "loss_curves.png")
     atomic_write_text(args.out / "results.json", json.dumps(rows, indent=2))
     print(f"\nwrote {args.out / 'loss_curves.png'} and {args.out / 'results.json'}")

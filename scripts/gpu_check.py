@@ -62,12 +62,10 @@ from typing import Callable, Dict, List, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import time_call  # noqa: E402
+from benchmarks.harness import PEAK_BF16, time_call  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre")
-# Dense bf16 tensor-core peaks (FLOP/s) by device name; MFU is null on other devices.
-PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.1e12, "A10G": 70e12, "L4": 121e12}
 # Seconds each piece takes on an H200 (measured runs round up); --tiny divides them by TINY_SPEEDUP.
 ESTIMATE_S = {"trainer run": 90, "step_time eager": 40, "step_time compiled": 240, "host_syncs": 45,
               "data_feed": 30, "sampling": 45}
@@ -432,7 +430,7 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     from common.distributed import use_fast_cuda_kernels
     from diffusion.models import DiT_models
     from diffusion.spec import DiTSpec
-    from diffusion.sampling import Decoder, Sampler
+    from diffusion.sampler import Decoder, Sampler
 
     use_fast_cuda_kernels()  # what diffusion.sample's main sets
     vae_dir = workdir / "vae"
@@ -575,7 +573,7 @@ def run_parts(names: Sequence[str], jobs: dict, plan: Plan, results: dict, save:
 
 def main(argv: Sequence[str] | None = None, started: Optional[float] = None) -> dict:
     """``started``: when the budget's clock started (the command line passes the module's import time, before
-    torch's; by default now)."""
+    torch's; by default the time of the call)."""
     p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/gpu_check.json", help="JSON results file (rewritten after every part)")

@@ -86,7 +86,7 @@ class Costs:
     model, else the FLOPs of configs/paper_imagenet.yaml at the assumed (or that run's measured) MFU."""
 
     def __init__(self, study: dict, gpu: str, gpu_check: Optional[Path]):
-        from scripts.gpu_check import PEAK_BF16
+        from benchmarks.harness import PEAK_BF16
 
         if gpu not in PEAK_BF16:
             raise InputError(f"--gpu {gpu}: no peak known; choose one of {', '.join(PEAK_BF16)}")
@@ -312,12 +312,12 @@ def run_slurm(jobs: Sequence[Job], out: Path, dry_run: bool) -> int:
 # ----------------------------------------------------------------------------- the report
 
 def run_result(model: str, topology: str, family: str, run: Path) -> Optional[dict]:
-    """A finished pair of jobs as scripts.compare records a run (``scripts.compare_report`` reads it), else None."""
+    """A finished pair of jobs as scripts.compare records a run (``comparison.report`` reads it), else None."""
     import yaml
 
     from common.logging import read_metrics
-    from scripts.compare import detect_divergence, loss_curve
-    from scripts.compare_report import METRIC
+    from comparison.runs import detect_divergence, loss_curve
+    from comparison.report import METRIC
 
     metric_file = run / ("top1.json" if family == "deit" else "fid_samples/fid.json")
     if not metric_file.is_file():
@@ -339,7 +339,7 @@ def run_result(model: str, topology: str, family: str, run: Path) -> Optional[di
 
 def write_paper_report(opts, study: dict, jobs: Sequence[Job], command: str) -> Path:
     """``OUT/report.md``: ours beside the paper's per model, and a ``scripts.compare`` report per model."""
-    from scripts.compare_report import METRIC, write_report
+    from comparison.report import METRIC, write_report
 
     lines = ["# The paper's ImageNet table", "", "Regenerate (finished jobs under the same --out are kept):", "",
              f"    {command}", "",

@@ -9,16 +9,11 @@ the test accuracy in the file's metadata. The weights are derived data: keep the
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-from common.checkpoint import save_weights
-from common.cli import InputError, one_line_errors
-from common.data import load_fashion_mnist
-from diffusion.evaluation.features import FashionMNISTClassifier, fmnist_preprocess, fmnist_weights_path
+from common.cli import one_line_errors
+from diffusion.evaluation.features import fmnist_weights_path
+from diffusion.evaluation.fmnist_classifier import train_fmnist_classifier
 
 
 def parse_args(argv=None):
@@ -40,55 +35,10 @@ def parse_args(argv=None):
     return args
 
 
-@torch.no_grad()
-def accuracy(model, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000) -> float:
-    model.eval()
-    correct = sum(int((model(fmnist_preprocess(images[i: i + batch_size])).argmax(1) == labels[i: i + batch_size]).sum())
-                  for i in range(0, len(images), batch_size))
-    return correct / len(images)
-
-
-def train(args) -> dict:
-    torch.manual_seed(args.seed)
-    train_x, train_y = (torch.from_numpy(a.copy()) for a in load_fashion_mnist("train", args.data_root))
-    test_x, test_y = (torch.from_numpy(a.copy()) for a in load_fashion_mnist("test", args.data_root))
-    if args.limit is not None:
-        train_x, train_y = train_x[: args.limit], train_y[: args.limit]
-    train_x, test_x = train_x[:, None], test_x[:, None]  # uint8 [N, 1, 28, 28]
-
-    model = FashionMNISTClassifier()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    steps_per_epoch = len(train_x) // args.batch_size
-    if steps_per_epoch == 0:
-        raise InputError(f"--batch-size {args.batch_size} is larger than the {len(train_x)} training images; "
-                         "pass a smaller --batch-size or a larger --limit")
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
-    generator = torch.Generator().manual_seed(args.seed)
-    for epoch in range(args.epochs):
-        model.train()
-        start, total = time.time(), 0.0
-        order = torch.randperm(len(train_x), generator=generator)
-        for step in range(steps_per_epoch):
-            idx = order[step * args.batch_size: (step + 1) * args.batch_size]
-            loss = F.cross_entropy(model(fmnist_preprocess(train_x[idx])), train_y[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            total += loss.item()
-        print(f"epoch {epoch + 1}/{args.epochs}: loss {total / steps_per_epoch:.4f} ({time.time() - start:.0f}s)")
-    test_acc = accuracy(model, test_x, test_y)
-    out = save_weights(model, args.out or fmnist_weights_path(),
-                       metadata={"test_accuracy": f"{test_acc:.4f}", "epochs": args.epochs, "seed": args.seed,
-                                 "train_images": len(train_x)})
-    print(f"test accuracy {test_acc:.4f}; weights written to {out}")
-    return {"test_accuracy": test_acc, "path": out}
-
-
-def main(argv=None):
+def main(argv=None) -> dict:
     args = parse_args(argv)
     with one_line_errors():  # e.g. Fashion-MNIST not installed: one line naming 'make data'
-        return train(args)
+        return train_fmnist_classifier(**vars(args))
 
 
 if __name__ == "__main__":

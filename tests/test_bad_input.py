@@ -155,7 +155,7 @@ def test_train_and_val_with_other_class_names_are_refused(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------- latents and VAEs
 
 def test_grids_of_classes_imagenet_1k_does_not_know_use_the_folder_names(latents, tmp_path):
-    from diffusion.sampling import class_names
+    from diffusion.sampler import class_names
     from diffusion.train import train
 
     assert class_names(3, names=["n99999999", "n01440764", "cat"]) == ["n99999999", "tench", "cat"]
@@ -167,7 +167,7 @@ def test_grids_of_classes_imagenet_1k_does_not_know_use_the_folder_names(latents
 
 
 def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path):
-    from diffusion.sampling import VAEMismatchError
+    from diffusion.sampler import VAEMismatchError
 
     root, meta = latents
     assert len(meta["vae_sha256"]) == 64

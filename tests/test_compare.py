@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from scripts.compare import detect_divergence, loss_curve, main
+from comparison.runs import detect_divergence, loss_curve
+from scripts.compare import main
 
 # A micro-DeiT on 256 Fashion-MNIST images: 8 steps of batch 32, about a second per run on one thread.
 TINY = ["--task", "deit", "--quick", "--depths", "2", "--train-images", "256", "--val-images", "100",
@@ -208,7 +209,7 @@ def test_a_report_of_one_point_curves_and_equal_scores_is_readable(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from scripts.compare_report import mean_curve, write_report
+    from comparison.report import mean_curve, write_report
 
     def result(topology, seed, curve, fid=812.5):
         return {"topology": topology, "depth": 2, "lr": 3e-4, "seed": seed, "name": f"{topology}_d2_lr0.0003_s{seed}",
@@ -291,7 +292,7 @@ def test_a_study_reuses_another_studys_runs_only_when_its_retrained_pair_matches
 
 
 def test_verdicts_against_each_baseline_with_their_95_intervals():
-    from scripts.compare_report import add_reused, summarize, verdicts
+    from comparison.report import add_reused, summarize, verdicts
 
     def run(topology, seed, top1):
         return {"topology": topology, "depth": 12, "lr": 1e-3, "seed": seed, "top1": top1,

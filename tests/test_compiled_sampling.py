@@ -2,7 +2,7 @@
 the last, smaller batch padded to the compiled shape instead of compiling again."""
 import torch
 
-from diffusion.sampling import Decoder, Sampler
+from diffusion.sampler import Decoder, Sampler
 from tests.test_hub import tiny_dit, tiny_vae
 
 

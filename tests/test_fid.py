@@ -22,7 +22,7 @@ import diffusion.evaluation.evaluator as metrics
 from diffusion.evaluation.features import (INCEPTION_WEIGHTS_FILE, FeatureExtractorError, InceptionV3WithSpatial,
                                            build_feature_extractor, file_sha256, write_random_inception)
 from diffusion.evaluation.images import read_sampling_protocol
-from diffusion.evaluation.metrics import FeatureStatistics
+from diffusion.evaluation.reference import load_reference_statistics
 from diffusion import fid as fid_cli
 from tests.test_metrics import adm_float16_distances, adm_inception_score, brute_force_precision_recall
 
@@ -69,7 +69,7 @@ def test_adm_statistics_path_equals_torch_fidelity(tmp_path, inception_weights):
     assert out["saved"] == str(tmp_path / "ref_stats.npz") and out["statistics"]["count"] == 6
     assert out["statistics"]["dim"] == 64 and out["info"]["source"] == str(reference)
     assert out["spatial_statistics"]["dim"] == 2023 and out["images"]["count"] == 6
-    ours_stats = FeatureStatistics.load(tmp_path / "ref_stats.npz")
+    ours_stats = load_reference_statistics(tmp_path / "ref_stats.npz").statistics
     # an ADM-style reference file: nothing but mu and sigma
     np.savez(tmp_path / "adm_ref.npz", mu=ours_stats.mu, sigma=ours_stats.sigma)
     result = run_cli("--samples", samples, "--reference", tmp_path / "adm_ref.npz", "--out", tmp_path / "fid.json",

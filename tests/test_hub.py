@@ -14,7 +14,7 @@ from diffusion.checkpoints import load_dit
 from diffusion.spec import DiTSpec
 from diffusion.pipeline import DiTSamplingPipeline, remote_code
 from diffusion.sample import main as sample_main
-from diffusion.sampling import model_fn_for, sample_generators, sample_loop
+from diffusion.sampler import model_fn_for, sample_generators, sample_loop
 
 TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}
 torch.set_num_threads(1)
@@ -84,7 +84,7 @@ def test_pre_norm_dit_exports_to_diffusers_dit_transformer(tmp_path):
 @pytest.mark.parametrize("topology, cfg_scale", [("pre", 1.0), ("pre", 2.0), ("siamese", 2.0)])
 def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_path, topology, cfg_scale):
     """Export (CLI) -> DiTSamplingPipeline.from_pretrained -> 4 DDPM steps with the learned variance, through a tiny
-    VAE: latents equal diffusion.sampling's chain on the same per-sample streams, images equal diffusion.sample's."""
+    VAE: latents equal diffusion.sampler's chain on the same per-sample streams, images equal diffusion.sample's."""
     vae = tiny_vae(tmp_path / "vae")
     model, spec = tiny_dit(topology, in_channels=4, autoencoder=str(vae))
     ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata(step=3))

@@ -15,7 +15,8 @@ from diffusion.evaluation.features import (FashionMNISTClassifier, FeatureExtrac
 from diffusion.evaluation.images import images_to_uint8, open_images
 from diffusion.evaluation.metrics import (FeatureStatistics, MetricsError, RunningMoments, frechet_distance,
                                           inception_score, pairwise_distances, precision_recall)
-from diffusion.evaluation.reference import build_reference_statistics, open_reference
+from diffusion.evaluation.reference import (build_reference_statistics, load_reference_statistics, open_reference,
+                                           save_reference_statistics)
 
 
 def fixed_features(seed, n=300, d=12, shift=0.0):
@@ -131,7 +132,7 @@ def test_frechet_distance_fast_trace_equals_adms_sqrtm_on_inception_sized_statis
 
 def test_statistics_file_roundtrip_and_adm_layout(tmp_path):
     stats = FeatureStatistics.from_features(fixed_features(0), feature_extractor="fmnist-cnn", feature_layer="128")
-    loaded = FeatureStatistics.load(stats.save(tmp_path / "s.npz"))
+    loaded = load_reference_statistics(save_reference_statistics(tmp_path / "s.npz", stats)).statistics
     np.testing.assert_array_equal(loaded.mu, stats.mu)
     np.testing.assert_array_equal(loaded.sigma, stats.sigma)
     assert (loaded.count, loaded.feature_extractor, loaded.feature_layer) == (300, "fmnist-cnn", "128")
@@ -144,7 +145,7 @@ def test_statistics_file_roundtrip_and_adm_layout(tmp_path):
     with pytest.raises(MetricsError, match="not images"):
         open_images(tmp_path / "s.npz")
     with pytest.raises(MetricsError, match="end in .npz"):
-        stats.save(tmp_path / "s.stats")
+        save_reference_statistics(tmp_path / "s.stats", stats)
 
 
 # ----------------------------------------------------------------------------- images

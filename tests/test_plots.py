@@ -8,7 +8,7 @@ from matplotlib.colors import to_hex
 
 from common.diagnostics import diagnostic_figure
 from common.plots import TOPOLOGY_COLORS, color_for, topology_of
-from scripts.compare_report import loss_curves_figure
+from comparison.report import loss_curves_figure
 from scripts.demo import loss_figure
 
 

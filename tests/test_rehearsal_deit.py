@@ -5,9 +5,9 @@ Only data paths, sizes and step counts are changed on the command line; every au
 (RandAugment rand-m9-mstd0.5-inc1, mixup/cutmix, label smoothing, random erasing, repeated augmentation x3, drop
 path, EMA) and TensorBoard stay on, and the data loaders use worker processes.
 
-Before vision.augment.posterize_keeping_bits, these runs died (exit 1) in a DataLoader worker within their first
-epoch: with Pillow >= 13, timm's increasing posterize in rand-m9-mstd0.5-inc1 asks for 0 bits now and then, and
-Pillow raised ``ValueError: bits must be between or equal to 1 and 8``. That the 0-bit draws really happen, and
+With Pillow >= 13, timm's increasing posterize in rand-m9-mstd0.5-inc1 asks for 0 bits now and then, which Pillow
+refuses (``ValueError: bits must be between or equal to 1 and 8``) and which would end these runs (exit 1) in a
+DataLoader worker within their first epoch; vision.augment.posterize_keeping_bits keeps them running. That the 0-bit draws really happen, and
 give a black image, is asserted by tests/test_vision_data.py (20,000 recipe transforms).
 """
 import json
@@ -60,7 +60,7 @@ def expected_train_skips(root, truncated, world):
 def test_recipe_trains_with_every_augmentation_then_evaluates(imagenet, one_process):
     root, train, val = imagenet
     out, proc = one_process
-    check(proc)  # see the module docstring: RandAugment's 0-bit posterize used to end this run
+    check(proc)  # see the module docstring: RandAugment's 0-bit posterize must not end this run
     # The command line changed data, sizes and step counts only: every augmentation, drop path, EMA and
     # TensorBoard are the recipe's.
     assert set(recipe_changes(ROOT / "configs/deit_tiny_siamese.yaml", out)) == {

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffusion.models import DiT
-from diffusion.sampling import (FlowSampling, SamplingError, draw_noise, sample_generator, transport_chain,
+from diffusion.sampler import (FlowSampling, SamplingError, draw_noise, sample_generator, transport_chain,
                                 transport_predict)
 from diffusion.transport import Transport
 from tests import sit_reference as sit

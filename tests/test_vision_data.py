@@ -263,7 +263,7 @@ def count_zero_bit_posterize(transform) -> list:
 def test_20000_recipe_transforms_over_odd_images(odd_folder, use_prefetcher):
     """The DeiT recipe's training transform (rand-m9-mstd0.5-inc1, random erasing 0.25), 10,000 draws in each of
     its two forms (20,000 in all) over every file of the odd folder, read by the dataset's loader. With timm
-    1.0.31 and Pillow 13 the posterize op asks for 0 bits about once in 700 draws, which used to raise."""
+    1.0.31 and Pillow 13 the posterize op asks for 0 bits about once in 700 draws, which Pillow refuses (vision.augment keeps the bits)."""
     data, augment = recipe(odd_folder, input_size=12)
     dataset = build_dataset(data, "train", loader=load_rgb_tensor if use_prefetcher else None)
     assert len(dataset) == 140

@@ -221,12 +221,15 @@ class SiameseNormVisionTransformer(VisionTransformer):
         x = self.patch_drop(x)
         return self.norm_pre(x)
 
+    def _initial_state(self, x: Tensor, attn_mask: Optional[Tensor], is_causal: bool):
+        """The first block's state (the embedding in the streams the topology carries) and the attention mask."""
+        tokens = self._embed(x)
+        return self.streams(tokens), attention_mask(tokens, attn_mask, is_causal)
+
     def forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         """Embed, run the blocks, fuse the streams. ``attn_mask`` as SDPA takes it (boolean: True attends;
         float: added to the scores), broadcast over batch and heads."""
-        x = self._embed(x)
-        attn_mask = attention_mask(x, attn_mask, is_causal)
-        state = self.streams(x)
+        state, attn_mask = self._initial_state(x, attn_mask, is_causal)
         for block in self.blocks:
             if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
                 state = checkpoint(block, state, attn_mask, use_reentrant=False)
@@ -261,9 +264,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
             raise ValueError(f"output_fmt must be NCHW or NLC, got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         batch, _, height, width = x.shape
-        tokens = self._embed(x)
-        attn_mask = attention_mask(tokens, attn_mask, is_causal)
-        state = self.streams(tokens)
+        state, attn_mask = self._initial_state(x, attn_mask, is_causal)
         intermediates = []
         for i, block in enumerate(self.blocks[: max_index + 1] if stop_early else self.blocks):
             if self.grad_checkpointing and self.training:

@@ -18,6 +18,7 @@ Results are printed and written as JSON (``output=``, default next to the checkp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
 from common.config import ConfigError, check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
 from common.durable import atomic_write_text
-from vision.config import DataConfig, EvalConfig, ModelConfig  # noqa: F401  (the settings, without timm)
+from vision.config import DataConfig, EvalConfig, ModelConfig, TrainConfig  # noqa: F401  (the settings, without timm)
 
 
 def compile_for_eval(model: torch.nn.Module) -> torch.nn.Module:
@@ -101,10 +102,12 @@ def evaluate(model: torch.nn.Module, loader, accelerator, compiled: bool = False
 
 
 def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
-    """A config file (eval keys, or a training config whose ``model``/``data`` sections are used) + overrides."""
+    """A config file (an :class:`EvalConfig`, or a ``vision.train`` run's config, of which the sections the two
+    schemas share are used) + overrides."""
     values = read_yaml(path) if path else {}
-    if "optim" in values or "train" in values or "augment" in values:
-        values = {k: values[k] for k in ("model", "data") if k in values}
+    evaluation, training = ({f.name for f in dataclasses.fields(schema)} for schema in (EvalConfig, TrainConfig))
+    if set(values) & (training - evaluation):
+        values = {k: v for k, v in values.items() if k in evaluation & training}
     values = deep_merge(values, parse_overrides(overrides))
     return from_dict(EvalConfig, values)
 

@@ -55,22 +55,9 @@ class FeatureStatistics:
             raise MetricsError(f"a covariance needs at least 2 feature vectors, got {len(x)}")
         return cls(x.mean(axis=0), np.cov(x, rowvar=False), count=len(x), **metadata)
 
-    def save(self, path) -> Path:
-        """An ADM-compatible ``.npz`` of these statistics alone (:func:`~diffusion.evaluation.reference.save_reference_statistics`)."""
-        from diffusion.evaluation.reference import save_reference_statistics
-
-        return save_reference_statistics(path, self)
-
     def _metadata(self) -> dict:
         return {k: np.array(v) for k, v in (("count", self.count), ("feature_extractor", self.feature_extractor),
                                             ("feature_layer", self.feature_layer)) if v is not None}
-
-    @classmethod
-    def load(cls, path) -> "FeatureStatistics":
-        """The pool statistics (``mu``, ``sigma``) of a statistics file, ADM's or ours."""
-        from diffusion.evaluation.reference import load_reference_statistics
-
-        return load_reference_statistics(path).statistics
 
     @classmethod
     def _from_npz(cls, npz, path: Path, suffix: str, **meta) -> "FeatureStatistics":

@@ -360,13 +360,18 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
     return path
 
 
+def mean_interval(diffs: Sequence[float]) -> tuple:
+    """The mean of paired differences and the half-width of its 95% Student-t interval (two or more seeds)."""
+    mean, std = _mean_std(diffs)
+    return mean, _t95(len(diffs) - 1) * std / math.sqrt(len(diffs))
+
+
 def _verdict(diffs: Sequence[float], higher: bool) -> str:
     """The pre-registered rule on paired differences (SiameseNorm - Pre-Norm): the 95% t-interval of their mean
     lies on the better side of 0 -> supported, on the worse side -> contradicted, else within noise."""
     if len(diffs) < 2:
         return f"{statistics.fmean(diffs):+.2f} (one seed: no noise estimate) -> untested" if diffs else "untested"
-    mean, std = _mean_std(diffs)
-    half = _t95(len(diffs) - 1) * std / math.sqrt(len(diffs))
+    mean, half = mean_interval(diffs)
     gain = mean if higher else -mean
     verdict = "supported" if gain > half else "contradicted" if gain < -half else "within noise"
     return f"{mean:+.2f}, 95% interval ±{half:.2f} over {len(diffs)} seeds -> {verdict}"
@@ -374,6 +379,19 @@ def _verdict(diffs: Sequence[float], higher: bool) -> str:
 
 def _paired(by_seed: Dict[int, float], base: Dict[int, float]) -> List[float]:
     return [v - base[s] for s, v in sorted(by_seed.items()) if s in base]
+
+
+def recorded_differences(summary_file: Path, topology: str, baseline: str = "pre") -> Dict[tuple, List[float]]:
+    """Per (depth, lr): the differences metric(topology) - metric(baseline) of a report's ``summary.json``, paired by
+    seed (its ``seeds``; a summary without them lists every run's value by ascending seed)."""
+    by_seed = {}
+    for row in json.loads(Path(summary_file).read_text()):
+        seeds = row.get("seeds")
+        if seeds is None and row["n"] != row["runs"]:
+            raise ValueError(f"{summary_file}: {row['topology']} depth {row['depth']} lacks seeds for some runs")
+        by_seed[(row["depth"], row["lr"], row["topology"])] = dict(zip(seeds or range(row["n"]), row["values"]))
+    return {(depth, lr): _paired(values, by_seed[(depth, lr, baseline)])
+            for (depth, lr, topo), values in by_seed.items() if topo == topology and (depth, lr, baseline) in by_seed}
 
 
 def plot_distance_curves(results: Sequence[dict], path: Path) -> None:

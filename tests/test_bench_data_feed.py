@@ -1,5 +1,5 @@
-"""benchmarks.data runs end to end on tiny settings (speed belongs in its printed ratios, not in tests)."""
-from benchmarks.data import main
+"""benchmarks.data_feed runs end to end on tiny settings (speed belongs in its printed ratios, not in tests)."""
+from benchmarks.data_feed import main
 
 
 def test_data_benchmark_compares_ours_with_timms_pipeline(capfd, tmp_path):

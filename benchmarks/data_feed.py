@@ -14,8 +14,8 @@
 ``--breakdown`` adds a per-stage table (ms per image, timm's pipeline and ours) and what Pillow's JPEG draft mode
 could save.
 
-    python -m benchmarks.data                                   # about 2 minutes on one core
-    python -m benchmarks.data --images 48 --rounds 2 --latents 256 --breakdown
+    python -m benchmarks.data_feed                                   # about 2 minutes on one core
+    python -m benchmarks.data_feed --images 48 --rounds 2 --latents 256 --breakdown
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def recipe_configs(root: Path, input_size: int):
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.data", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data_feed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=128, help="JPEGs to write and cycle through per round")
     parser.add_argument("--input-size", type=int, default=224)
