@@ -84,7 +84,7 @@ def test_recipe_trains_with_every_augmentation_then_evaluates(imagenet, one_proc
     assert final["skipped_images"] == skips
     assert f"skipping unreadable image {root / 'train' / train['truncated']}" in proc.stderr
 
-    # python -m vision.evaluate on the run, as the README shows it.
+    # python -m vision.evaluate on the run, as docs/deit.md shows it.
     ev = check(run("vision.evaluate", "--config", out / "config.yaml", f"checkpoint={out / 'model.safetensors'}"))
     result = json.loads((out / "model.eval.json").read_text())
     assert all(math.isfinite(result[k]) for k in ("top1", "top5", "loss"))
