@@ -41,7 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def same_weights(a_dir, b_dir, exact=True):
+def same_weights(a_dir, b_dir, exact=True, atol=1e-6):
     for name in ("model.safetensors", "ema.safetensors"):
         a, b = load_file(Path(a_dir) / name), load_file(Path(b_dir) / name)
         assert a.keys() == b.keys()
@@ -49,7 +49,7 @@ def same_weights(a_dir, b_dir, exact=True):
             if exact:
                 assert torch.equal(a[k], b[k]), f"{name}: {k}"
             else:
-                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=f"{name}: {k}")
+                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=atol, msg=f"{name}: {k}")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,9 @@ def test_multistream_topologies_train_the_same_on_two_processes(tmp_path, topolo
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     main([*args, f"train.output_dir={tmp_path / 'one'}"])
-    same_weights(tmp_path / "one", tmp_path / "two", exact=False)
+    # AttnRes' depth query starts at zero and its gradient is a difference of near-equal terms: the all-reduce's
+    # summation order moves it by ~2e-6 after 6 Adam steps of lr 1e-3 (on some CPUs), 0.2% of one step.
+    same_weights(tmp_path / "one", tmp_path / "two", exact=False, atol=1e-5)
     with safe_open(str(tmp_path / "one" / "ema.safetensors"), "pt") as f:
         assert f.metadata()["topology"] == topology
 
