@@ -7,7 +7,8 @@ and in-training FID use the same :class:`Sampler`.
     images = sampler(torch.arange(8), torch.tensor([207, 360, 387, 974, 88, 979, 417, 279]))   # uint8 (8, 3, 256, 256)
 
 Sample ``i`` draws its x_T and every step's noise from its own stream, seeded by ``(seed, i)`` (numpy's
-``SeedSequence``): a sample is the same whatever batch, chunk or process it is drawn in.
+``SeedSequence``): a sample is the same whatever batch, chunk or process it is drawn in. (Over 500 lines: the
+sampler, both objectives' chains and the sample sets share these streams and are tested as one unit.)
 """
 from __future__ import annotations
 

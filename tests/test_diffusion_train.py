@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from common.data import FASHION_MNIST_CLASSES
 from common.logging import NonFiniteLossError, read_metrics
 from common.train_state import CheckpointManager
 from diffusion.train import TrainConfig, main, train
+from tests.rehearsal import free_port
 
 pytestmark = pytest.mark.fashion_mnist
 
@@ -33,12 +33,6 @@ torch.set_num_threads(1)
 def config(out, *overrides, topology="siamese"):
     return load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml",
                        [*TINY, f"train.output_dir={out}", *overrides])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def same_weights(a_dir, b_dir, exact=True, atol=1e-6):

@@ -161,3 +161,48 @@ def test_missing_inputs_are_one_line_before_anything_runs(tmp_path, capsys):
     assert refused.value.code == 2
     assert capsys.readouterr().err.strip() == "error: --vae is needed for dit_b2"
     assert not (tmp_path / "p").exists()
+
+
+def test_a_submitted_training_runs_under_the_job_script_and_requeues_when_preempted(inputs, tmp_path, monkeypatch):
+    """The sbatch call the SLURM launcher makes for DeiT-T Pre-Norm, run by scripts/cluster/train.sbatch as SLURM runs
+    it (srun and scontrol stand-ins, one task on this CPU): a real SIGTERM at step 2 leaves a checkpoint and a requeue,
+    the requeued job finishes where it stopped, and the study then submits what follows it but not it again."""
+    from common.logging import read_metrics
+    from scripts.paper_imagenet import main
+    from tests.rehearsal import free_port
+    from tests.test_cluster import slurm_stand_ins
+
+    bin_dir, logs = slurm_stand_ins(tmp_path)
+    for name, text in (("sbatch", SBATCH), ("squeue", SQUEUE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "paper"
+    args = [str(a) for a in ("--launcher", "slurm", "--out", out, *inputs, "--models", "deit_tiny",
+                             "--set-deit", *DEIT, "optim.epochs=2")]  # 8 images, batch 4: 4 steps
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    monkeypatch.setenv("LOGS", str(logs))
+    main(args)
+    calls = [line.split("\x1f")[:-1] for line in (logs / "sbatch").read_text().splitlines()]
+    train = next(c for c in calls if c[1] == "--job-name=paper-train_deit_tiny_pre")
+    script = train.index("scripts/cluster/train.sbatch")
+    module = next(a for a in train[:script] if a.startswith("--export=")).split("MODULE=")[1]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "SLURM_NTASKS": "1",
+           "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "1001", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_SUBMIT_DIR": str(ROOT), "MASTER_PORT": str(free_port())}
+    job_script = str(ROOT / train[script])
+    first = subprocess.run(["bash", job_script, "sigterm", "2", "--", "-m", module, *train[script + 1:]], cwd=ROOT,
+                           env={**env, "MODULE": "tests.faults"}, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and "stopped with a checkpoint (exit 4): requeued" in first.stdout, first.stdout[-3000:]
+    assert (logs / "requeued").read_text().split() == ["1001"]
+    run_dir = out / "runs" / "deit_tiny_pre"
+    assert not (run_dir / "final_metrics.json").exists()
+
+    second = subprocess.run(["bash", job_script, *train[script + 1:]], cwd=ROOT, env={**env, "MODULE": module},
+                            capture_output=True, text=True, timeout=600)  # the requeued job, as SLURM starts it again
+    assert second.returncode == 0 and "finished" in second.stdout, second.stdout[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
+
+    main(args)  # nothing queued any more: the rest is submitted again, the finished training is not
+    again = [line.split("\x1f")[1] for line in (logs / "sbatch").read_text().splitlines()[len(calls):]]
+    assert "--job-name=paper-train_deit_tiny_pre" not in again and "--job-name=paper-eval_deit_tiny_pre" in again
