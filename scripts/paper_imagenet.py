@@ -252,6 +252,7 @@ def fork_module(module: str, args: Sequence[str]) -> int:
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(code)
+
     def forward(number, frame):
         os.kill(pid, number)
 
