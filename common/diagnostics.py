@@ -24,7 +24,6 @@ Residuals). Layer removal works on every state: a removed block returns the stat
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Sequence, Union

@@ -15,7 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
-from common.config import ConfigError, check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
+from common.cli import ArgumentParser, InputError, one_line_errors
+from common.config import check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
 from common.durable import atomic_write_text
 from vision.config import DataConfig, EvalConfig, ModelConfig, TrainConfig  # noqa: F401  (the settings, without timm)
 
