@@ -342,6 +342,13 @@ def resolve_num_workers(setting: Union[int, str]) -> int:
     return max(0, cpus // max(1, local) - 1)
 
 
+def pad_batch(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """``rows`` filled up to ``size`` with copies of its last one: a compiled model's fixed batch (the caller cuts the
+    padding's outputs off)."""
+    pad = size - rows.shape[0]
+    return torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])]) if pad > 0 else rows
+
+
 def _ignore_signals(names, worker_id: int) -> None:
     import signal
 

@@ -28,6 +28,7 @@ import torch
 
 from common.checkpoint import weights_fingerprint
 from common.cli import InputError
+from common.data import pad_batch
 from common.durable import atomic_savez, atomic_write, atomic_write_text
 from diffusion.latents import load_vae
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, shift_times, times
@@ -464,10 +465,7 @@ class Sampler:
         count = len(indices)
         if self.compile:
             self.compiled_batch = self.compiled_batch or count
-            if count < self.compiled_batch:
-                pad = self.compiled_batch - count
-                indices = torch.cat([indices, indices[-1:].expand(pad)])
-                labels = torch.cat([labels, labels[-1:].expand(pad)])
+            indices, labels = pad_batch(indices, self.compiled_batch), pad_batch(labels, self.compiled_batch)
         return self.decoder(self.latents(indices, labels))[:count]
 
     def latents(self, indices: Tensor, labels: Tensor) -> Tensor:

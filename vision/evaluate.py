@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from common.cli import ArgumentParser, InputError, one_line_errors
 from common.config import check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
+from common.data import pad_batch
 from common.durable import atomic_write_text
 from vision.config import DataConfig, EvalConfig, ModelConfig, TrainConfig  # noqa: F401  (the settings, without timm)
 
@@ -37,12 +38,6 @@ def compile_for_eval(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` compiled for :func:`evaluate` with ``compiled=True``: one graph of fixed shapes (``dynamic=False``),
     the weights shared with ``model``."""
     return torch.compile(model, dynamic=False)
-
-
-def pad_batch(images: torch.Tensor, size: int) -> torch.Tensor:
-    """``images`` filled up to ``size`` rows with copies of its last one (a compiled model's fixed batch)."""
-    pad = size - images.shape[0]
-    return torch.cat([images, images[-1:].expand(pad, *images.shape[1:])]) if pad > 0 else images
 
 
 @torch.no_grad()
