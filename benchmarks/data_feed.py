@@ -6,9 +6,10 @@
   pixel, like ImageNet's). ``timm``: timm's plain pipeline (Pillow decode and crop, float32 normalise and random
   erasing in the worker). ``ours``: what ``vision.train`` runs (torchvision.io decode, torch's uint8 crop kernel,
   uint8 images and erasing boxes out of the worker; normalise + erase run on the device:
-  :class:`vision.augment.NormalizeErase`). Both are seeded per sample as training seeds them and include the
-  worker's collate; the two alternate batch by batch on the same samples, one thread, so a busy machine slows both
-  alike; the figure is the median over rounds of the per-round ratio.
+  :class:`vision.augment.NormalizeErase`). Both are seeded per sample as training seeds them and include their
+  loader's collate (torch's ``default_collate``; ours :func:`common.data.collate`); the two alternate batch by
+  batch on the same samples, one thread, so a busy machine slows both alike; the figure is the median over rounds
+  of the per-round ratio.
 * DiT: examples/s per worker for the latent loader (latents written in ``diffusion.extract_latents``'s format).
 
 ``--breakdown`` adds a per-stage table (ms per image, timm's pipeline and ours) and what Pillow's JPEG draft mode
@@ -38,10 +39,10 @@ RECIPE = Path(__file__).resolve().parent.parent / "configs" / "deit_recipe.yaml"
 
 
 def side_by_side(name: str, unit: str, paths: dict, size: int, rounds: int, batch_size: int) -> dict:
-    """Time the paths batch by batch in alternation over the same keys (fetch every item, then collate: what a
-    worker does per batch), inside a DataLoader worker process (one thread, the worker's seeding); print each
-    round; return the median rates and, with two paths, the median of the per-round ratios of the second to the
-    first."""
+    """Time the paths (name -> (dataset, collate function)) batch by batch in alternation over the same keys
+    (fetch every item, then collate: what a worker does per batch), inside a DataLoader worker process (one
+    thread, the worker's seeding); print each round; return the median rates and, with two paths, the median of
+    the per-round ratios of the second to the first."""
     task = _InWorker(lambda: _alternate(name, unit, paths, size, rounds, batch_size))
     return next(iter(torch.utils.data.DataLoader(task, batch_size=None, num_workers=1)))
 
@@ -83,7 +84,7 @@ def _alternate(name, unit, paths, size, rounds, batch_size) -> dict:
                  if len(names) > 1 else "")
         print(f"  {name} round {len(rates[names[0]])}/{rounds}: {line} {unit}{ratio}", flush=True)
 
-    alternate({p: (lambda d=dataset: default_collate([d[k] for k in keys()])) for p, dataset in paths.items()},
+    alternate({p: (lambda d=dataset, c=collate: c([d[k] for k in keys()])) for p, (dataset, collate) in paths.items()},
               rounds * per_round, on_round=on_round)
     out = {**{f"{p}_per_s": statistics.median(v) for p, v in rates.items()}, "rounds": rates}
     if len(names) > 1:
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(f"--images {args.images} must be at least --batch-size {args.batch_size}")
     apply_common_args(args)  # one thread: what a DataLoader worker gets
 
-    from common.data import SeededDataset
+    from common.data import SeededDataset, collate
     from diffusion.data import DiffusionExamples, LatentImages
     from torchvision.datasets.folder import pil_loader
 
@@ -212,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                            loader=load_rgb_tensor))
         print(f"DeiT recipe transform, {args.input_size} px, {bytes_per_pixel:.2f} JPEG bytes/pixel, one thread:",
               flush=True)
-        results["deit"] = side_by_side("deit", "images/s", {"timm": timm, "ours": ours}, args.images, args.rounds,
-                                       args.batch_size)
+        results["deit"] = side_by_side("deit", "images/s", {"timm": (timm, default_collate), "ours": (ours, collate)},
+                                       args.images, args.rounds, args.batch_size)
         if args.breakdown:
             files = [path for path, _ in ours.dataset.samples]
             results["deit"]["breakdown"] = breakdown(files, data, augment)
@@ -222,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             write_latents(root / "latents", args.latents, shard_size=1024)
             print("DiT latent loader (DiffusionExamples over LatentImages), one thread:", flush=True)
             loader = SeededDataset(DiffusionExamples(LatentImages(str(root / "latents")), 1000, 0.1))
-            results["dit"] = side_by_side("dit", "examples/s", {"ours": loader}, args.latents, args.rounds,
+            results["dit"] = side_by_side("dit", "examples/s", {"ours": (loader, collate)}, args.latents, args.rounds,
                                           args.batch_size)
 
     print("\nper worker (median over rounds)       timm       ours   ours/timm")

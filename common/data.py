@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import collate as collate_with_map
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from common.cli import InputError, InputNotFoundError
 from common.preemption import STOP_SIGNALS
@@ -384,6 +386,35 @@ def ignore_in_workers(names=STOP_SIGNALS) -> Callable[[int], None]:
 _KILL_AT_EXIT = False
 
 
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64}
+
+
+def _stack_tensors(batch, *, collate_fn_map=None) -> torch.Tensor:
+    """``default_collate``'s stacking of tensors, each copied into the batch by numpy, whose strided copy moves an
+    image in HWC memory (what Pillow and the JPEG decoders give) into a channels-first batch several times faster
+    than ``torch.stack``. The batch is torch's (contiguous; in shared memory inside a worker); other tensors go to
+    torch's own function."""
+    elem = batch[0]
+    if (elem.layout != torch.strided or elem.is_nested or elem.device.type != "cpu" or elem.dim() == 0
+            or elem.dtype not in _NUMPY_DTYPES or elem.requires_grad
+            or any(t.shape != elem.shape or t.dtype != elem.dtype for t in batch)):
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    if torch.utils.data.get_worker_info() is not None:  # the batch travels to the main process: shared memory
+        storage = elem._typed_storage()._new_shared(len(batch) * elem.numel(), device=elem.device)
+        out = elem.new(storage).resize_(len(batch), *elem.shape)
+    else:
+        out = torch.empty((len(batch), *elem.shape), dtype=elem.dtype)
+    for row, item in zip(out.numpy(), batch):
+        np.copyto(row, item.numpy())
+    return out
+
+
+def collate(batch):
+    """``torch.utils.data.default_collate``, the same batches, with its tensors stacked by :func:`_stack_tensors`."""
+    return collate_with_map(batch, collate_fn_map={**default_collate_fn_map, torch.Tensor: _stack_tensors})
+
+
 def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: int, num_workers: Union[int, str],
                        persistent_workers: bool = True, ignore_signals=STOP_SIGNALS) -> DataLoader:
     """Per-process training loader over a :class:`ResumableSampler`, items seeded per sample.
@@ -397,7 +428,7 @@ def build_train_loader(dataset: Dataset, sampler: ResumableSampler, batch_size: 
     workers = dict(persistent_workers=persistent_workers) if num_workers > 0 else {}
     return DataLoader(SeededDataset(dataset), batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), generator=torch.Generator(),
-                      worker_init_fn=ignore_in_workers(ignore_signals), **workers)
+                      worker_init_fn=ignore_in_workers(ignore_signals), collate_fn=collate, **workers)
 
 
 class DevicePrefetcher:

@@ -112,6 +112,46 @@ def test_device_prefetcher_on_cpu_is_the_plain_loop():
     assert all(torch.equal(a, b) for a, b in zip(list(loader), list(DevicePrefetcher(loader, torch.device("cpu")))))
 
 
+class HwcImages(Dataset):
+    """Item i: ((a uint8 (3, 5, 7) image in HWC memory, as Pillow and the JPEG decoders give it, an int64 (1, 5)
+    row), label i)."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        hwc = torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+        return (hwc.permute(2, 0, 1), torch.full((1, 5), i)), i
+
+
+def test_collate_gives_default_collates_batches(monkeypatch):
+    """The training loader's collate (numpy copies into the batch) gives ``default_collate``'s batches: values,
+    dtypes, contiguous layout, and inside a worker a batch in shared memory as torch's; what numpy lacks
+    (bfloat16), 0-d tensors and unequal shapes go to torch's own stacking, which names the mismatch."""
+    from torch.utils.data import default_collate
+
+    from common.data import collate
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b)
+        return all(same(x, y) for x, y in zip(a, b))
+
+    items = [HwcImages()[i] for i in range(6)]
+    assert not items[0][0][0].is_contiguous() and same(collate(items), default_collate(items))
+    others = [(torch.randn(2, 3).bfloat16(), torch.tensor(1.5), torch.randn(4).half(), np.float32(i)) for i in range(3)]
+    assert same(collate(others), default_collate(others))
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        collate([torch.zeros(2), torch.zeros(3)])
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())  # as inside a worker
+    assert collate(items)[0][0].is_shared()
+    monkeypatch.undo()
+    sampler = ResumableSampler(6, seed=0)
+    through_worker = list(build_train_loader(HwcImages(), sampler, 3, num_workers=1))
+    plain = torch.utils.data.DataLoader(SeededDataset(HwcImages()), batch_size=3, sampler=sampler)
+    assert len(through_worker) == 2 and all(same(a, b) for a, b in zip(through_worker, plain))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_prefetcher_on_cuda_equals_cpu():
     from vision.data import DataConfig

@@ -488,6 +488,88 @@ def test_pairwise_mixup_equals_timms_bit_for_bit(cutmix):
     assert not torch.equal(want[0], images)
 
 
+def test_host_noise_equals_the_tensor_hash_across_the_32_bit_wrap():
+    """The CPU fill's uint32 hash gives the int64 tensor hash's values bit for bit, for keys whose counters wrap
+    past 2**32 inside a 224 px image and for the per-channel (``rand``) index."""
+    from vision.augment import _normal_at, _normal_at_host
+
+    c, h, w = 3, 224, 224
+    index = torch.arange(c * h * w).view(c, h, w)
+    start, step = (np.arange(c).reshape(c, 1, 1) * h + np.arange(h).reshape(1, h, 1)) * w, np.arange(w).reshape(1, 1, w)
+    for key in (0, 1, 2**31, 2**32 - 2 * c * h * w // 3, 2**32 - 1):
+        assert torch.equal(_normal_at_host(key, start, step), _normal_at(torch.tensor(key), index)), key
+        channels = np.arange(c).reshape(c, 1, 1)
+        assert torch.equal(_normal_at_host(key, channels, np.zeros((1, 1, 1), dtype=np.int64)),
+                           _normal_at(torch.tensor(key), torch.arange(c).view(c, 1, 1))), key
+
+
+def reference_worker_half(data, augment):
+    """The worker half built from the reference pieces: the crop resampled through ``TF.resize`` and timm's own
+    ``MaybePILToTensor``."""
+    import torchvision.transforms.v2.functional as TF
+    from timm.data.transforms import MaybePILToTensor
+
+    from vision.augment import PILToUint8
+
+    class CropThroughResize(RandomResizedCropTensor):
+        def _resize(self, box, mode):
+            return TF.resize(box, list(self.size), interpolation=mode, antialias=True)
+
+    transform = build_transform(data, augment, training=True, use_prefetcher=True)
+    swaps = {RandomResizedCropTensor: CropThroughResize.like, PILToUint8: lambda _: MaybePILToTensor()}
+    transform.transforms = [swaps[type(t)](t) if type(t) in swaps else t for t in transform.transforms]
+    assert {type(t) for t in transform.transforms}.isdisjoint(swaps)
+    return transform
+
+
+def test_training_batches_equal_the_reference_pipelines(odd_folder):
+    """What training computes from the files, at 224 px (a mixing block of one pair) with two erasing boxes per
+    sample: the loader's batches (worker half and collate in a worker process), normalised, erased and mixed, equal
+    bit for bit, images and targets, those of the reference pieces on the same seeds: ``TF.resize`` for the crop,
+    timm's tensor conversion, torch's ``default_collate``, ToTensor + Normalize arithmetic, the every-pixel int64
+    noise and timm's ``Mixup``."""
+    import torchvision.transforms.functional as F
+    from timm.data import Mixup
+    from timm.data.transforms import MaybePILToTensor
+
+    from common.data import build_train_loader
+    from vision.augment import PILToUint8
+
+    data, augment = recipe(odd_folder, input_size=224)
+    augment.re_prob, augment.re_count = 0.9, 2
+    dataset = build_dataset(data, "train", build_transform(data, augment, training=True, use_prefetcher=True),
+                            loader=load_rgb_tensor)
+    reference = SeededDataset(build_dataset(data, "train", reference_worker_half(data, augment),
+                                            loader=load_rgb_tensor))
+    sampler = ResumableSampler(len(dataset), seed=1, epoch_samples=8)
+    keys = list(sampler)
+    device_half, mixup = NormalizeErase(data, augment), build_mixup(augment, data.num_classes)
+    timm_mixup = Mixup(mixup_alpha=augment.mixup, cutmix_alpha=augment.cutmix, prob=augment.mixup_prob,
+                       switch_prob=augment.mixup_switch_prob, mode=augment.mixup_mode,
+                       label_smoothing=augment.label_smoothing, num_classes=data.num_classes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pillow's note on palette images with transparency
+        batches = list(build_train_loader(dataset, sampler, 4, num_workers=1))
+        want_batches = [torch.utils.data.default_collate([reference[k] for k in keys[i: i + 4]]) for i in (0, 4)]
+    modes = set()
+    for n, (((images, boxes), targets), ((want_images, want_boxes), want_targets)) in enumerate(zip(batches,
+                                                                                               want_batches)):
+        assert torch.equal(images, want_images) and torch.equal(boxes, want_boxes) and images.is_contiguous()
+        seed = 2 * n  # mixup draws for batch 0, cutmix for batch 1
+        np.random.seed(seed)
+        modes.add(mixup._params_per_batch()[1])
+        np.random.seed(seed)
+        got = mixup(*device_half(device_half.before_copy(((images, boxes), targets))))
+        np.random.seed(seed)
+        normalised = F.normalize(want_images.float().div(255), data.mean, data.std)
+        want = timm_mixup(erase_every_pixel(normalised, want_boxes, augment.re_mode), want_targets)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+        assert (boxes[:, 1, 2] > 0).any()  # boxes in both slots
+    assert modes == {True, False}  # a cutmix batch and a mixup batch
+    gray = Image.new("L", (3, 2), 7)
+    assert torch.equal(PILToUint8()(gray), MaybePILToTensor()(gray))
+
+
 def test_hashed_normal_is_standard_normal_and_addressable():
     from scipy import stats
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 import random
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from timm.data import Mixup, auto_augment, create_transform
 from timm.data.mixup import cutmix_bbox_and_lam
 from timm.data.random_erasing import RandomErasing
-from timm.data.transforms import RandomResizedCropAndInterpolation
+from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation
 
 from common.cli import InputError
 from vision.config import AugmentConfig, DataConfig
@@ -66,8 +67,8 @@ def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, t
 
     ``use_prefetcher=True`` (training only) returns the worker half of the same pipeline: timm's crop draws
     resampled by torch's uint8 kernel (:class:`RandomResizedCropTensor`), flip and RandAugment as timm
-    builds them, then ``(uint8 image (3, H, W), erasing boxes)`` (:class:`RandomErasingBoxes`); finish the
-    batch with :class:`NormalizeErase` on the device.
+    builds them, then ``(uint8 image (3, H, W), erasing boxes)`` (:class:`PILToUint8`,
+    :class:`RandomErasingBoxes`); finish the batch with :class:`NormalizeErase` on the device.
     """
     common = dict(input_size=data.input_size, interpolation=data.interpolation, mean=data.mean, std=data.std)
     if not training:
@@ -82,8 +83,8 @@ def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, t
     )
     _keep_posterize_defined(transform)
     if use_prefetcher:
-        stages = [RandomResizedCropTensor.like(t) if type(t) is RandomResizedCropAndInterpolation else t
-                  for t in transform.transforms]
+        swaps = {RandomResizedCropAndInterpolation: RandomResizedCropTensor.like, MaybePILToTensor: PILToUint8.like}
+        stages = [swaps[type(t)](t) if type(t) in swaps else t for t in transform.transforms]
         transform.transforms = stages + [RandomErasingBoxes(a.re_prob, a.re_mode, a.re_count)]
     return transform
 
@@ -113,8 +114,31 @@ class RandomResizedCropTensor(RandomResizedCropAndInterpolation):
             return Image.new("RGB", self.size[::-1])
         # channels-last in and out: torch's uint8 kernel works in that layout, and its output is PIL's HWC layout
         box = image[None, :, top: top + height, left: left + width].contiguous(memory_format=torch.channels_last)
-        out = TF.resize(box, list(self.size), interpolation=mode, antialias=True)
+        out = self._resize(box, mode)
         return Image.fromarray(out[0].permute(1, 2, 0).numpy())
+
+    def _resize(self, box: torch.Tensor, mode) -> torch.Tensor:
+        """``TF.resize(box, self.size, mode, antialias=True)``; for bicubic, the kernel call it makes for uint8 on any
+        CPU, without its per-call overhead."""
+        if mode == TF.InterpolationMode.BICUBIC and tuple(box.shape[-2:]) != tuple(self.size):
+            return torch.nn.functional.interpolate(box, size=list(self.size), mode="bicubic", align_corners=False,
+                                                   antialias=True)
+        return TF.resize(box, list(self.size), interpolation=mode, antialias=True)
+
+
+class PILToUint8(MaybePILToTensor):
+    """timm's ``MaybePILToTensor`` (a PIL image as uint8 ``(3, H, W)`` in HWC memory; tensors pass through) with one
+    copy of an RGB image's pixels instead of two (:func:`vision.data.rgb_view`). The tensor views read-only
+    memory: the collate copies it into the batch."""
+
+    @classmethod
+    def like(cls, _: MaybePILToTensor) -> "PILToUint8":
+        return cls()
+
+    def __call__(self, image):
+        if isinstance(image, Image.Image) and image.mode == "RGB":
+            return rgb_view(image)
+        return super().__call__(image)
 
 
 class _BoxRecorder:
@@ -167,10 +191,11 @@ class NormalizeErase:
     (``x / 255``, ``- mean``, ``/ std``), so the unerased pixels are bit-identical. Inside each box the
     values follow timm's modes: ``pixel`` N(0, 1) per pixel, ``rand`` N(0, 1) per channel, ``const`` 0,
     drawn by :func:`hashed_normal` from the box's ``noise_seed``: a function of the sample seed, independent
-    of batch composition and device. Only the boxes' values are computed: on the CPU box by box, elsewhere in
-    one vectorised pass per box slot whose length is the number of values the boxes fill, a host number read
-    from the boxes while they are on the host (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher`
-    runs before the copy), so the device is never waited for.
+    of batch composition and device. Only the boxes' values are computed: on the CPU box by box (hashed as
+    uint32 on the host, :func:`_normal_at_host`), elsewhere in one vectorised pass per box slot whose length is
+    the number of values the boxes fill, a host number read from the boxes while they are on the host
+    (:meth:`before_copy`, which :class:`common.data.DevicePrefetcher` runs before the copy), so the device is
+    never waited for.
     """
 
     def __init__(self, data: DataConfig, augment: Optional[AugmentConfig] = None):
@@ -232,10 +257,14 @@ class NormalizeErase:
             if self.mode == "const":
                 region.zero_()
                 continue
-            channel = torch.arange(c).view(c, 1, 1)
-            rows, cols = torch.arange(top, top + height).view(1, -1, 1), torch.arange(left, left + width).view(1, 1, -1)
-            index = channel if self.mode == "rand" else (channel * h + rows) * w + cols
-            region.copy_(_normal_at(_seed_key(torch.tensor(seed), slot), index).expand_as(region))
+            # the box's element numbers (channel, row, column), split into a per-(channel, row) and a per-column part
+            channel = np.arange(c, dtype=np.int64).reshape(c, 1, 1)
+            if self.mode == "rand":
+                start, step = channel, np.zeros((1, 1, 1), dtype=np.int64)
+            else:
+                rows = np.arange(top, top + height, dtype=np.int64).reshape(1, -1, 1)
+                start, step = (channel * h + rows) * w, np.arange(left, left + width, dtype=np.int64).reshape(1, 1, -1)
+            region.copy_(_normal_at_host(int(_seed_key(torch.tensor(seed), slot)), start, step).expand_as(region))
 
     def _fill_vectorised(self, x: torch.Tensor, boxes: torch.Tensor, slot: int, total: int) -> None:
         """The ``total`` values the slot's boxes cover, laid out box after box (channel, row, column within a
@@ -283,9 +312,39 @@ def _seed_key(seeds: torch.Tensor, stream: int) -> torch.Tensor:
 def _normal_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Standard normal values at element numbers ``index`` of the streams ``key`` (broadcast together)."""
     counter = 2 * index.to(key.device)
-    u1 = ((_mix32((key + counter) & _MASK32) >> 8).float() + 0.5) / 2**24
-    u2 = ((_mix32((key + counter + 1) & _MASK32) >> 8).float() + 0.5) / 2**24
+    return _box_muller((_mix32((key + counter) & _MASK32) >> 8).float(),
+                       (_mix32((key + counter + 1) & _MASK32) >> 8).float())
+
+
+def _box_muller(bits1: torch.Tensor, bits2: torch.Tensor) -> torch.Tensor:
+    """Standard normal values from two 24-bit uniform integers (as float32, exact) per value."""
+    u1, u2 = (bits1 + 0.5) / 2**24, (bits2 + 0.5) / 2**24
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
+
+
+_MIX32_MULTIPLIER = np.uint32(0x45D9F3B)
+
+
+def _mix32_host(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix32` in place on a uint32 array, whose arithmetic wraps at 2**32 by itself: the same values with
+    no masking passes, each pass over half the bytes of int64 tensors."""
+    for _ in range(2):
+        x ^= x >> 16
+        x *= _MIX32_MULTIPLIER
+    x ^= x >> 16
+    return x
+
+
+def _normal_at_host(key: int, start: np.ndarray, step: np.ndarray) -> torch.Tensor:
+    """:func:`_normal_at` (bit for bit) of the stream ``key`` at element numbers ``start + step`` (int64 arrays,
+    broadcast together), hashed as uint32 on the host; the float arithmetic is the same torch calls."""
+    counter = _uint32(key + 2 * start) + _uint32(2 * step)  # key + 2 x index, mod 2**32: the full-size sum wraps
+    following = counter + np.uint32(1)
+    return _box_muller(*(torch.from_numpy((_mix32_host(c) >> 8).astype(np.float32)) for c in (counter, following)))
+
+
+def _uint32(values: np.ndarray) -> np.ndarray:
+    return (values % 2**32).astype(np.uint32)
 
 
 def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
@@ -299,7 +358,8 @@ def hashed_normal(seeds: torch.Tensor, stream: int, index: torch.Tensor) -> torc
 class PairwiseMixup(Mixup):
     """timm's ``Mixup``, its batch mode done a few pairs at a time in place: image ``i`` mixes with image
     ``B - 1 - i`` (timm's flip) with timm's draws and arithmetic, so the images are timm's bit for bit, without a
-    flipped copy of the whole batch (on the CPU the pairs stay in cache; elsewhere one block is the whole batch)."""
+    flipped copy of the whole batch (on the CPU the pairs stay in cache, and a block of one pair, as at 224 px, is
+    mixed in place with no copy at all; elsewhere one block is the whole batch)."""
 
     cpu_chunk_elements = 1 << 17
 
@@ -314,7 +374,8 @@ class PairwiseMixup(Mixup):
         step = half if x.device.type != "cpu" else max(1, self.cpu_chunk_elements // x[0].numel())
         for i in range(0, half, step):
             j = min(i + step, half)
-            a, b = x[i:j], x[n - j:n - i].flip(0)  # b: a copy, row k the partner of a's row k
+            single = j == i + 1  # one pair: b is the partner row itself, mixed in place; else a flipped copy
+            a, b = x[i:j], x[n - j:n - i] if single else x[n - j:n - i].flip(0)  # row k of b: a's row k's partner
             if use_cutmix:
                 box = a[:, :, yl:yh, xl:xh].clone()
                 a[:, :, yl:yh, xl:xh] = b[:, :, yl:yh, xl:xh]
@@ -323,7 +384,8 @@ class PairwiseMixup(Mixup):
                 a_share = a * (1. - lam)
                 a.mul_(lam).add_(b * (1. - lam))
                 b.mul_(lam).add_(a_share)
-            x[n - j:n - i] = b.flip(0)
+            if not single:
+                x[n - j:n - i] = b.flip(0)
         return lam
 
 
