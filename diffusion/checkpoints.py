@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import torch
+
 from common.checkpoint import CheckpointError, load_weights, read_file
 from diffusion.models import DiT
 from diffusion.spec import DiTSpec
@@ -56,7 +58,9 @@ def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Op
     """``(model in eval mode, its spec, the weights entry used)`` from any checkpoint (:func:`read_checkpoint`).
 
     ``overrides`` (None values ignored) take precedence over the file; ``image_size`` (pixels) sets the
-    ``input_size`` of a latent model through the 8x VAE."""
+    ``input_size`` of a latent model through the 8x VAE. The model is built on the meta device and given empty
+    storage: the strict load fills every parameter and buffer, so DiT's initialisation (random draws over all the
+    weights) would be overwritten, and is skipped."""
     source, found, key = read_checkpoint(checkpoint, weights)
     overrides = dict(overrides or {})
     image_size = overrides.pop("image_size", None)
@@ -64,7 +68,9 @@ def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Op
         pixel = (overrides.get("autoencoder") or found.get("autoencoder")) == "none"
         overrides["input_size"] = image_size if pixel else image_size // 8
     spec = DiTSpec.resolve(found, overrides)
-    model = spec.build()
+    with torch.device("meta"):
+        model = spec.build()
+    model = model.to_empty(device="cpu")
     try:
         load_weights(model, source, key=key)
     except CheckpointError as err:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.checkpoint import save_weights
+from common.checkpoint import load_weights, save_weights
 from diffusion.evaluation.images import open_images, read_sampling_protocol
 from diffusion.checkpoints import load_dit
-from diffusion.models import DiT
+from diffusion.models import DIT_TOPOLOGIES, DiT
 from diffusion.sample import main
 from diffusion.sampler import draw_noise, guided_model_fn, model_fn_for, reverse_chain, sample_generator, sample_loop
 from tests.test_gaussian_diffusion import adm_space_timesteps, dit_diffusion
@@ -23,17 +23,23 @@ SHAPE = (1, 8, 8)
 torch.set_num_threads(1)
 
 
-def save_tiny(path, learn_sigma=True, class_dropout_prob=0.1, in_channels=1, autoencoder="none"):
-    """A tiny pixel-space DiT with metadata as diffusion.train writes it; weights perturbed away from the
-    adaLN-Zero init (whose output is identically zero) so that samples depend on them."""
+def tiny_model(learn_sigma=True, class_dropout_prob=0.1, in_channels=1, topology="siamese") -> DiT:
+    """A tiny pixel-space DiT, weights perturbed away from the adaLN-Zero init (whose output is identically zero)
+    so that samples depend on them."""
     torch.manual_seed(0)
     model = DiT(input_size=8, patch_size=4, in_channels=in_channels, num_classes=5, learn_sigma=learn_sigma,
-                class_dropout_prob=class_dropout_prob, topology="siamese", **TINY)
+                class_dropout_prob=class_dropout_prob, topology=topology, **TINY)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.1 * torch.randn_like(p))
-    meta = {"model": "DiT-S/4", "topology": "siamese", "learn_sigma": learn_sigma, "class_dropout_prob": class_dropout_prob,
+    return model.eval()
+
+
+def save_tiny(path, learn_sigma=True, class_dropout_prob=0.1, in_channels=1, autoencoder="none", topology="siamese"):
+    """:func:`tiny_model` with metadata as diffusion.train writes it."""
+    model = tiny_model(learn_sigma, class_dropout_prob, in_channels, topology)
+    meta = {"model": "DiT-S/4", "topology": topology, "learn_sigma": learn_sigma, "class_dropout_prob": class_dropout_prob,
             "in_channels": in_channels, "input_size": 8, "num_classes": 5, "model_kwargs": json.dumps(TINY),
             "autoencoder": autoencoder, "step": 7}
     return save_weights(model, path, metadata=meta)
@@ -71,6 +77,23 @@ def restated_chain(model_fn, steps, indices, sampler, eta=0.0, seed=0):
             sigma = eta * np.sqrt((1 - abar_prev[i]) / (1 - abar[i])) * np.sqrt(1 - abar[i] / abar_prev[i])
             x = np.sqrt(abar_prev[i]) * x0 + np.sqrt(1 - abar_prev[i] - sigma ** 2) * eps + (i > 0) * sigma * noise
     return x
+
+
+@pytest.mark.parametrize("topology", DIT_TOPOLOGIES)
+def test_loaded_models_equal_initialised_then_loaded_ones_in_every_topology(topology, tmp_path):
+    """load_dit builds on the meta device and skips the initialisation: in every topology the loaded model holds
+    exactly the saved weights and computes, bit for bit, what a model initialised and then loaded computes."""
+    path = save_tiny(tmp_path / "ema.safetensors", topology=topology)
+    model, spec, _ = load_dit(path, {})
+    initialised = spec.build()
+    load_weights(initialised, path)
+    initialised.eval().requires_grad_(False)
+    assert model.state_dict().keys() == initialised.state_dict().keys()
+    assert all(torch.equal(v, initialised.state_dict()[k]) for k, v in model.state_dict().items())
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    x, t, y = torch.randn(3, *SHAPE), torch.tensor([5, 500, 999]), torch.tensor([0, 4, 5])
+    with torch.no_grad():
+        assert torch.equal(model(x, t, y), initialised(x, t, y))
 
 
 @pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 0.7)])

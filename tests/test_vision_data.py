@@ -608,3 +608,33 @@ def test_recipe_mixup_cutmix_and_eval_resize_on_odd_sizes(odd_folder, mode):
         for i in range(len(dataset)):
             image, _ = dataset[i]
             assert image.shape == (3, 12, 12) and torch.isfinite(image).all()
+
+
+def test_evaluation_batches_handed_over_in_uint8_equal_the_whole_transform(odd_folder):
+    """vision.evaluate's workers hand over uint8 images and the batch is normalised where it is
+    (:func:`vision.evaluate.eval_transforms`): over every odd file the batches are bit-identical to those of timm's
+    whole eval transform, and so are the metrics."""
+    import timm
+    from accelerate import Accelerator
+
+    from vision.evaluate import eval_transforms, evaluate
+
+    data, _ = recipe(odd_folder, input_size=12)
+    transform, batch_transform = eval_transforms(data)
+    whole = build_dataset(data, "val", build_transform(data, training=False))
+    split = build_dataset(data, "val", transform)
+    loader = lambda dataset: torch.utils.data.DataLoader(dataset, batch_size=32)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pillow's note on palette images with transparency
+        batches = 0
+        for (images, targets), handed_over in zip(loader(whole), loader(split)):
+            assert handed_over[0].dtype == torch.uint8
+            normalised, same_targets = batch_transform(handed_over)
+            assert torch.equal(normalised, images) and torch.equal(same_targets, targets)
+            batches += 1
+        assert batches == 5
+        model = timm.create_model("deit_tiny_siamese_patch16_224", img_size=12, patch_size=6, embed_dim=16, depth=1,
+                                  num_heads=2, num_classes=data.num_classes)
+        accelerator = Accelerator(cpu=True)
+        assert evaluate(model, loader(split), accelerator, batch_transform=batch_transform) == \
+            evaluate(model, loader(whole), accelerator)

@@ -34,6 +34,38 @@ from common.durable import atomic_write_text
 from vision.config import DataConfig, EvalConfig, ModelConfig, TrainConfig  # noqa: F401  (the settings, without timm)
 
 
+class NormalizeBatch:
+    """The batch half of :func:`eval_transforms`: ``(uint8 images (B, 3, H, W), targets) -> (float images,
+    targets)``, normalised by :class:`vision.augment.NormalizeErase` (no erasing) where the batch is."""
+
+    def __init__(self, data: DataConfig):
+        from vision.augment import AugmentConfig, NormalizeErase
+
+        self.normalize = NormalizeErase(data, AugmentConfig(re_prob=0.0))
+
+    def __call__(self, batch):
+        images, targets = batch
+        return self.normalize.images(images, boxes=None), targets
+
+
+def eval_transforms(data: DataConfig):
+    """``(image transform, batch transform)`` of evaluation: timm's eval transform
+    (:func:`vision.augment.build_transform`) cut before its ``ToTensor`` + ``Normalize``, so the loader's workers
+    hand over uint8 images (a quarter of the bytes, no per-image float pass), and :class:`NormalizeBatch`, which does
+    the same arithmetic (``x / 255``, ``- mean``, ``/ std``) on the batch: the batches are bit-identical to the
+    whole transform's. A transform of another shape is kept whole (batch transform None)."""
+    from torchvision.transforms import Compose, Normalize, ToTensor
+
+    from vision.augment import build_transform
+    from vision.data import rgb_view
+
+    transform = build_transform(data, training=False)
+    stages = getattr(transform, "transforms", [])
+    if len(stages) < 2 or not (isinstance(stages[-2], ToTensor) and isinstance(stages[-1], Normalize)):
+        return transform, None
+    return Compose([*stages[:-2], rgb_view]), NormalizeBatch(data)
+
+
 def compile_for_eval(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` compiled for :func:`evaluate` with ``compiled=True``: one graph of fixed shapes (``dynamic=False``),
     the weights shared with ``model``."""
@@ -41,12 +73,13 @@ def compile_for_eval(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator, compiled: bool = False) -> dict:
+def evaluate(model: torch.nn.Module, loader, accelerator, compiled: bool = False, batch_transform=None) -> dict:
     """Top-1, Top-5 (percent), mean cross-entropy and the count of the images they were computed on.
 
     ``loader`` holds this process's shard of the evaluation set (:func:`vision.data.build_eval_loader` with the
     process's rank: every image on exactly one process, no padding); the sums are all-reduced once at the end.
-    Batches reach the device one ahead of the forward (:class:`common.data.DevicePrefetcher`).
+    Batches reach the device one ahead of the forward (:class:`common.data.DevicePrefetcher`), where
+    ``batch_transform`` (if given) finishes them (:func:`eval_transforms`).
     ``compiled``: ``model`` is compiled for one batch shape (:func:`compile_for_eval`), the first batch's, so a
     smaller last batch is padded to it and the padding's logits are cut off before anything is counted.
     Images the dataset could not read (target ``-1 - index``, see :class:`vision.data.ReadableImageFolder`) are left
@@ -60,7 +93,7 @@ def evaluate(model: torch.nn.Module, loader, accelerator, compiled: bool = False
     totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, top-1, top-5, images
     unreadable = []  # per batch, on the device: the file index of each unreadable image, -1 for the others
     compiled_batch = None
-    for images, targets in DevicePrefetcher(loader, accelerator.device):
+    for images, targets in DevicePrefetcher(loader, accelerator.device, transform=batch_transform):
         count = images.shape[0]
         if compiled:
             compiled_batch = compiled_batch or count
@@ -110,7 +143,6 @@ def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
 def run(cfg: EvalConfig) -> dict:
     from common.checkpoint import load_weights
     from common.distributed import build_accelerator
-    from vision.augment import build_transform
     from vision.data import build_dataset, build_eval_loader
     from vision.deit import build_model
 
@@ -122,12 +154,13 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.checkpoint:
         # weights=ema picks the "ema" entry of a training checkpoint (for a run's EMA file use ema.safetensors)
         load_weights(model, cfg.checkpoint, key="ema" if cfg.weights == "ema" else None)
-    dataset = build_dataset(cfg.data, "val", transform=build_transform(cfg.data, training=False))
+    transform, batch_transform = eval_transforms(cfg.data)
+    dataset = build_dataset(cfg.data, "val", transform=transform)
     loader = build_eval_loader(dataset, cfg.batch_size, cfg.data.num_workers, accelerator.process_index,
                                accelerator.num_processes)
     model = model.to(accelerator.device)
     compiled = resolve_compile(cfg.compile, accelerator.device)
-    metrics = evaluate(compile_for_eval(model) if compiled else model, loader, accelerator, compiled)
+    metrics = evaluate(compile_for_eval(model) if compiled else model, loader, accelerator, compiled, batch_transform)
     metrics.update(model=cfg.model.name, checkpoint=cfg.checkpoint, weights=cfg.weights)
     output = cfg.output or (str(Path(cfg.checkpoint).with_suffix(".eval.json")) if cfg.checkpoint else None)
     if accelerator.is_main_process:
