@@ -19,9 +19,6 @@ manifold-constrained form) carry ``n`` streams as one ``(B, T, n, D)`` tensor, a
 (Attention Residuals) carry the list of every earlier output (or block sum), from which each sublayer reads a
 softmax-weighted mix. The model holds the module that makes the first state and the one that reads the last.
 
-Over 500 lines because every topology lives here, side by side, so that each is one class to compare with the
-others and none is written twice.
-
 Model-level topologies add ``mixln`` (Mix-LN: Post-Norm in the first ``k`` blocks, Pre-Norm after),
 ``layerscale`` (Pre-Norm with a learned per-channel gain on each update, CaiT), ``dyt`` (Pre-Norm with
 :class:`DyT` in place of every LayerNorm) and ``attnres_block`` (Attention Residuals over block sums);
