@@ -20,10 +20,11 @@ data:
 demo: $(STAMP) data
 	$(PY) -m scripts.demo
 
-# One pytest worker per core (TEST_WORKERS=0: in this process); each test file stays on one worker.
+# One pytest worker per core (TEST_WORKERS=0: in this process); each test file stays on one worker, and the files
+# go out in collection order (tests/conftest.py collects the longest first), not xdist's most-tests-first.
 TEST_WORKERS ?= auto
 test: $(STAMP) data
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # timm's own tests/test_models.py (from the sdist of the installed timm, fetched from PyPI) on every DeiT we
 # register and on timm's deit_tiny_patch16_224; a table of passed/failed per model at the end.

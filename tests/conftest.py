@@ -5,6 +5,7 @@
 * Tests marked ``fashion_mnist`` need the Fashion-MNIST files (`make test` installs them where it can, as
   `make demo` does). Without them such a test is skipped with the command to run, except under CI
   (``CI=true``), where a missing dataset fails the test: CI must never go green by skipping.
+* The longest files are collected first, so that both workers stay busy to the end.
 """
 import os
 
@@ -23,6 +24,19 @@ MISSING_DATA = ("Fashion-MNIST is not installed: run `make data` as root "
 def pytest_configure(config):
     config.addinivalue_line("markers", "fashion_mnist: needs the Fashion-MNIST files (skipped without them, "
                                        "failed under CI=true)")
+
+
+# The longest files first (measured with --durations): pytest-xdist's loadfile hands whole files to whichever worker
+# is free, in collection order, so a long file collected last would leave the other worker idle while it runs.
+LONGEST_FIRST = ("test_cluster.py", "test_step.py", "test_bad_input.py", "test_faults.py", "test_timm_suite.py",
+                 "test_cuda_defaults.py", "test_paper_imagenet.py", "test_rehearsal_dit.py", "test_diffusion_train.py",
+                 "test_startup.py", "test_vision_train.py", "test_metrics.py", "test_gpu_check.py", "test_trackers.py",
+                 "test_compiled_sampling.py", "test_compare.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep their order
 
 
 def _fashion_mnist_installed() -> bool:
