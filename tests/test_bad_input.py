@@ -20,6 +20,7 @@ from common.config import ConfigError, load_config
 from common.data import ImageFolderError, image_files, scan_image_folder
 from common.durable import DiskWriteError
 from common.logging import NonFiniteLossError, read_metrics
+from tests.refusals import refusal, refused
 from tests.rehearsal import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,21 +40,6 @@ def write_folder(root: Path, classes, per_class: int = 4, size: int = 20) -> Pat
         for i in range(per_class):
             Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
     return root
-
-
-def cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """A command as a user runs it; returns the finished process (stdout and stderr as text)."""
-    return subprocess.run([PY, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def one_line(proc: subprocess.CompletedProcess) -> str:
-    """The refusal of a command: exit status 2, no traceback, one ``error:`` line."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    return errors[0]
 
 
 def tiny_vae(path: Path, scaling_factor: float = 0.18215, seed: int = 0) -> Path:
@@ -183,8 +169,9 @@ def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path):
         assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_weights_trained_on_latents_refuse_another_vae_when_sampled(latents, tmp_path):
+def test_weights_trained_on_latents_refuse_another_vae_when_sampled(latents, tmp_path, capsys):
     """Trained without grids (no VAE loaded), the weights still record the latents' VAE; sampling checks it."""
+    from diffusion.sample import main as sample
     from diffusion.train import train
 
     root, meta = latents
@@ -192,22 +179,23 @@ def test_weights_trained_on_latents_refuse_another_vae_when_sampled(latents, tmp
                   f"train.output_dir={tmp_path / 'run'}"))
     other = tiny_vae(tmp_path / "other", seed=1)
     ema = tmp_path / "run" / "ema.safetensors"
-    refused = cli("-m", "diffusion.sample", "--checkpoint", str(ema), "--vae", str(other), "--grid",
-                  str(tmp_path / "g.png"), "--steps", "2")
-    assert "is not the VAE the model was trained on" in one_line(refused) and meta["vae_sha256"][:16] in refused.stderr
-    ok = cli("-m", "diffusion.sample", "--checkpoint", str(ema), "--vae", str(root / "vae"), "--grid",
-             str(tmp_path / "g.png"), "--steps", "2", "--quiet")
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    err = refusal(sample, ["--checkpoint", ema, "--vae", other, "--grid", tmp_path / "g.png", "--steps", "2"], capsys)
+    assert "is not the VAE the model was trained on" in err and meta["vae_sha256"][:16] in err
+    sample([str(a) for a in ("--checkpoint", ema, "--vae", root / "vae", "--grid", tmp_path / "g.png", "--steps", "2",
+                             "--quiet")])
+    assert (tmp_path / "g.png").is_file()
 
 
-def train_on_latents(folder: Path, out: Path, *overrides) -> subprocess.CompletedProcess:
-    """``diffusion.train`` on the latents in ``folder`` without a VAE, as a user runs it."""
-    return cli("-m", "diffusion.train", "--config", "configs/dit_b2_siamese.yaml", *TINY_DIT, f"data.path={folder}",
-               "data.autoencoder=none", "data.num_classes=2", "train.sample_every=0", f"train.output_dir={out}",
-               *overrides)
+def train_on_latents(folder: Path, out: Path, capsys) -> str:
+    """``diffusion.train`` on the latents in ``folder`` without a VAE, which must refuse them: its one line."""
+    from diffusion.train import main
+
+    return refusal(main, ["--config", ROOT / "configs/dit_b2_siamese.yaml", *TINY_DIT, f"data.path={folder}",
+                          "data.autoencoder=none", "data.num_classes=2", "train.sample_every=0",
+                          f"train.output_dir={out}"], capsys)
 
 
-def test_a_truncated_latent_shard_is_one_line_naming_it_and_its_fix(latents, tmp_path):
+def test_a_truncated_latent_shard_is_one_line_naming_it_and_its_fix(latents, tmp_path, capsys):
     import shutil
 
     from diffusion.latents import LatentDataset
@@ -216,7 +204,7 @@ def test_a_truncated_latent_shard_is_one_line_naming_it_and_its_fix(latents, tmp
     folder = Path(shutil.copytree(root / "lat", tmp_path / "lat"))
     shard = folder / "shard_00001.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    err = train_on_latents(folder, tmp_path / "run", capsys)
     assert f"{shard} is damaged or truncated" in err and "re-run the extraction that made them" in err, err
     assert f"--out {folder}" in err and "it rewrites the damaged shards only" in err
     assert not (tmp_path / "run").exists()
@@ -224,7 +212,7 @@ def test_a_truncated_latent_shard_is_one_line_naming_it_and_its_fix(latents, tmp
     assert len(LatentDataset(folder)) == meta["count"]
 
 
-def test_latents_carry_their_scale_and_a_metadata_that_disagrees_is_refused(latents, tmp_path):
+def test_latents_carry_their_scale_and_a_metadata_that_disagrees_is_refused(latents, tmp_path, capsys):
     """The shards record the scaling factor they were made with; an edited metadata.json, or a shard of another
     extraction, stops the run before it trains at a scale its latents were not made with."""
     import shutil
@@ -238,25 +226,25 @@ def test_latents_carry_their_scale_and_a_metadata_that_disagrees_is_refused(late
     folder = Path(shutil.copytree(root / "lat", tmp_path / "lat"))
     edited = {**meta, "scaling_factor": 1.0}
     (folder / "metadata.json").write_text(json.dumps(edited))
-    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    err = train_on_latents(folder, tmp_path / "run", capsys)
     assert "says scaling_factor 1.0 but shard_00000.safetensors was made with 0.18215" in err, err
     assert "Restore metadata.json" in err and not (tmp_path / "run").exists()
     (folder / "metadata.json").write_text(json.dumps(meta))
     other = tmp_path / "other_lat"
     extract(root / "images", tiny_vae(tmp_path / "sdxl_like", scaling_factor=0.13025), other)
     shutil.copy(other / "shard_00001.safetensors", folder / "shard_00001.safetensors")  # a shard of another extraction
-    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    err = train_on_latents(folder, tmp_path / "run", capsys)
     assert "but shard_00001.safetensors was made with" in err and "belongs to another extraction" in err, err
     # (latents whose shards and metadata agree train: test_grids_of_classes_imagenet_1k_does_not_know_... above)
 
 
-def test_latents_of_the_first_format_are_refused_saying_why(latents, tmp_path):
+def test_latents_of_the_first_format_are_refused_saying_why(latents, tmp_path, capsys):
     import shutil
 
     root, meta = latents
     folder = Path(shutil.copytree(root / "lat", tmp_path / "lat"))
     (folder / "metadata.json").write_text(json.dumps({**meta, "format": "siamesenorm-latents-v1"}))
-    err = one_line(train_on_latents(folder, tmp_path / "run"))
+    err = train_on_latents(folder, tmp_path / "run", capsys)
     assert "do not record the VAE scaling factor they were made with" in err and "extract the latents again" in err
 
 
@@ -285,10 +273,12 @@ def test_non_finite_numbers_are_refused_for_every_float_setting(override):
         load_config(TrainConfig, ROOT / "configs/fmnist_deit_siamese.yaml", [override])
 
 
-def test_a_yaml_file_with_a_tab_is_one_line(tmp_path):
+def test_a_yaml_file_with_a_tab_is_one_line(tmp_path, capsys):
+    from vision.train import main
+
     recipe = tmp_path / "tab.yaml"
     recipe.write_text("optim:\n\tbatch_size: 8\n")
-    err = one_line(cli("-m", "vision.train", "--config", str(recipe)))
+    err = refusal(main, ["--config", recipe], capsys)
     assert err == f"error: {recipe} is not valid YAML: found character '\\t' that cannot start any token at line 2, " \
                   "column 1 (YAML indents with spaces, never tabs)"
 
@@ -334,12 +324,13 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.fashion_mnist
-def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_checkpoint_before(small_disk):
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_checkpoint_before(small_disk, capsys):
+    from vision.train import main
+
     run_dir = small_disk / "run"
-    proc = cli("-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml", *DEIT,
-               "data.max_train_samples=64", "data.max_val_samples=16", "optim.batch_size=16", "optim.epochs=40",
-               "train.ckpt_every=1", f"train.output_dir={run_dir}")
-    err = one_line(proc)
+    err = refusal(main, ["--config", ROOT / "configs/fmnist_deit_siamese.yaml", *DEIT, "data.max_train_samples=64",
+                         "data.max_val_samples=16", "optim.batch_size=16", "optim.epochs=40", "train.ckpt_every=1",
+                         f"train.output_dir={run_dir}"], capsys)
     assert err.startswith(f"error: could not write {run_dir}") and "No space left on device" in err, err
     from common.train_state import CheckpointManager, load_training_checkpoint
 
@@ -348,18 +339,18 @@ def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_checkpoint_before
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
-def test_a_read_only_run_directory_is_one_line_before_any_work(small_disk):
+def test_a_read_only_run_directory_is_one_line_before_any_work(small_disk, capsys):
     from common.train_state import RunDirectoryError, RunLock
+    from vision.train import main
 
     (small_disk / "runs" / "old").mkdir(parents=True)
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     for out in (small_disk / "runs" / "old", small_disk / "runs" / "new"):  # an existing directory, one to be made
-        proc = cli("-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml", *DEIT,
-                   f"train.output_dir={out}")
-        err = one_line(proc)
+        err, stdout, stderr = refused(main, ["--config", ROOT / "configs/fmnist_deit_siamese.yaml", *DEIT,
+                                             f"train.output_dir={out}"], capsys)
         assert err == (f"error: cannot write the run directory {out} (read-only file system): give train.output_dir "
                        "a place this process may write to, or fix the permissions"), err
-        assert "epoch" not in proc.stdout and "train:" not in proc.stderr  # no data read, no step
+        assert "epoch" not in stdout and "train:" not in stderr  # no data read, no step
     with pytest.raises(RunDirectoryError, match=r"cannot write the run directory .*runs/old \(Read-only file system\)"):
         RunLock(small_disk / "runs" / "old").acquire()  # the lock's own check, should the directory turn read-only
 
@@ -378,8 +369,10 @@ def test_a_read_only_file_system_is_one_line_and_keeps_the_file(small_disk):
     assert target.read_text() == "old"
 
 
-def test_a_damaged_safetensors_checkpoint_is_one_line_for_the_sampler(tmp_path):
+def test_a_damaged_safetensors_checkpoint_is_one_line_for_the_sampler(tmp_path, capsys):
     from safetensors.torch import save_file
+
+    from diffusion.sample import main
 
     good = tmp_path / "ema.safetensors"
     save_file({"w": torch.zeros(1000)}, str(good), metadata={"model": "DiT-S/4"})
@@ -387,25 +380,26 @@ def test_a_damaged_safetensors_checkpoint_is_one_line_for_the_sampler(tmp_path):
     (tmp_path / "truncated.safetensors").write_bytes(data[: len(data) // 2])
     (tmp_path / "bad_header.safetensors").write_bytes(b"\xff" * 8 + data[8:])
     for name in ("truncated", "bad_header"):
-        err = one_line(cli("-m", "diffusion.sample", "--checkpoint", str(tmp_path / f"{name}.safetensors"), "--grid",
-                           str(tmp_path / "g.png")))
+        err = refusal(main, ["--checkpoint", tmp_path / f"{name}.safetensors", "--grid", tmp_path / "g.png"], capsys)
         assert f"{name}.safetensors is damaged or not a weights file" in err
 
 
 # ------------------------------------------------------------------------------------------- optional pieces
 
 @pytest.mark.fashion_mnist
-def test_in_training_fid_without_classifier_weights_names_the_training_setting(tmp_path):
-    proc = cli("-m", "diffusion.train", "--config", "configs/fmnist_dit_siamese.yaml", "train.fid_every=2",
-               f"train.output_dir={tmp_path / 'run'}", env={"SIAMESENORM_CACHE": str(tmp_path / "empty_cache")})
-    err = one_line(proc)
+def test_in_training_fid_without_classifier_weights_names_the_training_setting(tmp_path, capsys, monkeypatch):
+    from diffusion.train import main
+
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "empty_cache"))
+    err = refusal(main, ["--config", ROOT / "configs/fmnist_dit_siamese.yaml", "train.fid_every=2",
+                         f"train.output_dir={tmp_path / 'run'}"], capsys)
     assert "scripts.train_fmnist_classifier" in err and "train.fid_extractor_weights=PATH" in err
     assert "--extractor-weights" not in err
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.fashion_mnist
-def test_the_dali_backend_without_dali_says_how_to_install_it(tmp_path):
+def test_the_dali_backend_without_dali_says_how_to_install_it(tmp_path, capsys):
     pytest.importorskip("torch")  # keeps the import order of the other tests
     try:
         import nvidia.dali  # noqa: F401
@@ -413,8 +407,10 @@ def test_the_dali_backend_without_dali_says_how_to_install_it(tmp_path):
         pytest.skip("DALI is installed here")
     except ImportError:
         pass
-    err = one_line(cli("-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml", "data.backend=dali",
-                       f"train.output_dir={tmp_path / 'run'}"))
+    from vision.train import main
+
+    err = refusal(main, ["--config", ROOT / "configs/fmnist_deit_siamese.yaml", "data.backend=dali",
+                         f"train.output_dir={tmp_path / 'run'}"], capsys)
     assert "pip install -e '.[dali]'" in err and "data.backend=torch" in err
     assert not (tmp_path / "run").exists()
 

@@ -120,3 +120,14 @@ def test_torchscript_and_fx_equal_eager(topology, images):
         tracer_kwargs = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions())
         fx = create_feature_extractor(net, return_nodes={"head": "out"}, tracer_kwargs=tracer_kwargs)
         torch.testing.assert_close(fx(images)["out"], expected, rtol=1e-5, atol=1e-6)
+    # backward through the traced graph: the same gradients as eager (timm's test_model_backward_fx in small)
+    eager, traced = dict(net.named_parameters()), dict(fx.named_parameters())
+    assert traced.keys() == eager.keys()
+    names = sorted(traced)
+    eager_grads = torch.autograd.grad(net(images).square().sum(), [eager[n] for n in names], allow_unused=True)
+    traced_grads = torch.autograd.grad(fx(images)["out"].square().sum(), [traced[n] for n in names],
+                                       allow_unused=True)
+    for name, e, t in zip(names, eager_grads, traced_grads):
+        assert (e is None) == (t is None), name
+        if e is not None:
+            torch.testing.assert_close(t, e, rtol=1e-4, atol=1e-6, msg=name)

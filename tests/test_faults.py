@@ -20,6 +20,7 @@ from common.config import load_config
 from common.logging import read_metrics
 from common.train_state import CheckpointManager, RunLock
 from diffusion import train as dit_train
+from tests.refusals import refusal
 from vision import train as deit_train
 
 pytestmark = pytest.mark.fashion_mnist
@@ -44,13 +45,7 @@ def dit(out, *overrides):
 
 def cli_error(main, recipe, *overrides, capsys) -> str:
     """Run a trainer's CLI that must refuse its input: exit status 2 and a one-line message."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--config", str(ROOT / "configs" / recipe), *overrides])
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    err = stderr.strip().splitlines()[-1]
-    assert err.startswith("error: ") and "Traceback" not in stderr, stderr
-    return err
+    return refusal(main, ["--config", ROOT / "configs" / recipe, *overrides], capsys)
 
 
 def snapshot(run_dir: Path) -> dict:

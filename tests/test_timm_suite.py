@@ -31,17 +31,24 @@ def timm_tests():
         pytest.skip(f"{error}")
 
 
+# Left to `make test-timm` for mHC, whose Sinkhorn iterations make each of them about 30 s: FX forward and backward
+# (test_deit_features.py checks both against eager on a small mHC DeiT).
+MHC_SKIPPED = ("test_model_forward_fx", "test_model_backward_fx")
+
+
 def test_timm_model_suite_passes_on_the_multi_stream_models(timm_tests, tmp_path):
     """Every test of timm's file that selects these models passes; the slow prune contract (unmarked in timm,
-    it prunes at every depth) runs on SiameseNorm only."""
+    it prunes at every depth) runs on SiameseNorm only, and mHC's FX tests are left to ``make test-timm``."""
     summary = tmp_path / "summary.json"
     done = run_suite([SIAMESE, MHC, ATTNRES_BLOCK],
-                     ["-q", "-k", "not ((mhc or attnres) and prune_intermediate_layers_contract)"],
+                     ["-q", "-k", "not ((mhc or attnres) and prune_intermediate_layers_contract) and not (mhc and "
+                                  "(test_model_forward_fx or test_model_backward_fx))"],
                      summary=summary)
     counts = json.loads(summary.read_text())
     assert set(counts) == {SIAMESE, MHC, ATTNRES_BLOCK}
     for model, result in counts.items():
         assert result.get("failed", 0) == 0, (model, result["tests"])
-        assert all(result["tests"].get(test) == "passed" for test in MUST_PASS), (model, result["tests"])
+        must_pass = [t for t in MUST_PASS if not (model == MHC and t in MHC_SKIPPED)]
+        assert all(result["tests"].get(test) == "passed" for test in must_pass), (model, result["tests"])
     assert counts[SIAMESE]["tests"]["test_prune_intermediate_layers_contract"] == "passed"
     assert done.returncode == 0
