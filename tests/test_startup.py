@@ -1,8 +1,9 @@
 """Start-up: every public entry point answers ``--help`` and refuses a bad command line before it imports anything
 heavy (timm, torchvision, diffusers, accelerate, torch-fidelity, scipy) or loads anything.
 
-Structural, never timed: ``python -X importtime`` lists every module a command imported. The times themselves are
-``python -m benchmarks.startup``'s (its own test is at the end: what it computes and prints).
+Structural, never timed: the modules a command loaded (``sys.modules`` after it ran as ``python -m`` runs it, and
+``python -X importtime`` for a trainer's first line). The times themselves are ``python -m benchmarks.startup``'s
+(its own test is at the end: what it computes and prints).
 """
 import os
 import re
@@ -19,20 +20,10 @@ from benchmarks import startup
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args, cwd=ROOT) -> subprocess.CompletedProcess:
-    """``python -X importtime ARGS`` as a user runs it (the project on the path, not installed)."""
-    return subprocess.run([sys.executable, "-X", "importtime", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-
-
-def imported(proc: subprocess.CompletedProcess) -> set:
+def imported(importtime_lines: str) -> set:
     """The top-level packages a process imported, from its ``-X importtime`` lines."""
-    names = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)\s*$", proc.stderr, flags=re.M)
+    names = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)\s*$", importtime_lines, flags=re.M)
     return {name.split(".")[0] for name in names}
-
-
-def messages(proc: subprocess.CompletedProcess) -> list:
-    return [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("import time:")]
 
 
 # settings each --help must list with their valid values (the declarative ranges of the config dataclasses)
@@ -46,49 +37,92 @@ LISTED = {
 }
 
 
+# Every entry point's --help and refused command line (and the sampler's refused labels), one after another in one
+# interpreter: each runs as ``python -m`` runs it (runpy, ``__main__``), and the heavy packages loaded so far are read
+# after each. Loaded modules stay loaded, which hides nothing: a heavy package is reported by the first command that
+# loads it. One interpreter start instead of two dozen; the trainers' first-line tests below start real
+# ``python -X importtime`` processes.
+PROBE = r"""
+import contextlib, io, json, runpy, sys
+import torch  # every command imports it; the heavy packages are the ones it must not load yet
+heavy, results = set(json.loads(sys.argv[1])), {}
+for name, (entry, args) in json.loads(sys.argv[2]).items():
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = ["-m", *args]  # as `python -m` sets it while it imports the module's packages
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module(entry, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    loaded = {module.split(".")[0] for module in sys.modules}
+    results[name] = {"code": code, "out": out.getvalue(), "err": err.getvalue(), "heavy": sorted(loaded & heavy),
+                     "common": "common" in loaded}
+print(json.dumps(results))
+"""
+LABELS = {"3,12": "--labels [12] are outside [0, 10)", "3,cat": "--labels '3,cat'"}
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """What each command printed, returned and loaded: ``"<entry point> help"``, ``"<entry point> error"``, and
+    ``"labels <labels>"`` (diffusion.sample with a checkpoint header of 10 classes whose weights fit no DiT)."""
+    import json
+
+    checkpoint = tmp_path_factory.mktemp("startup") / "ema.safetensors"
+    save_file({"w": torch.zeros(4)}, str(checkpoint), metadata={"model": "DiT-S/4", "num_classes": "10"})
+    todo = {}
+    for entry, error_args in startup.ARGUMENT_ERRORS.items():
+        todo[f"{entry} help"], todo[f"{entry} error"] = (entry, ["--help"]), (entry, error_args)
+    for labels in LABELS:
+        todo[f"labels {labels}"] = ("diffusion.sample", ["--checkpoint", str(checkpoint), "--grid",
+                                                         str(checkpoint.with_name("g.png")), "--labels", labels])
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(startup.HEAVY), json.dumps(todo)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("entry_point", startup.ENTRY_POINTS)
-def test_help_and_an_argument_error_import_nothing_heavy(entry_point):
-    shown = run("-m", entry_point, "--help")
-    assert shown.returncode == 0, shown.stderr[-3000:]
-    assert "common" in imported(shown)  # the project's code ran and importtime is read
-    assert not imported(shown) & set(startup.HEAVY), sorted(imported(shown) & set(startup.HEAVY))
+def test_help_and_an_argument_error_import_nothing_heavy(commands, entry_point):
+    shown = commands[f"{entry_point} help"]
+    assert shown["code"] == 0 and shown["common"], shown["err"][-3000:]  # the project's code ran
+    assert shown["heavy"] == [], shown["heavy"]
     for entry in LISTED.get(entry_point, ()):
-        assert entry in shown.stdout, entry
-    refused = run("-m", entry_point, *startup.ARGUMENT_ERRORS[entry_point])
-    lines = messages(refused)
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "Traceback" not in refused.stderr and [line for line in lines if "error" in line], lines
-    assert not imported(refused) & set(startup.HEAVY), sorted(imported(refused) & set(startup.HEAVY))
+        assert entry in shown["out"], entry
+    refused = commands[f"{entry_point} error"]
+    lines = [line for line in refused["err"].splitlines() if line.strip()]
+    assert refused["code"] == 2, refused["err"][-3000:]
+    assert "Traceback" not in refused["err"] and [line for line in lines if "error" in line], lines
+    assert refused["heavy"] == [], refused["heavy"]
 
 
-def test_help_texts_name_what_the_libraries_offer():
+def test_help_texts_name_what_the_libraries_offer(commands):
     """The sampler's and the scorer's --help name choices that live in heavy modules; they must match those."""
     from diffusion.evaluation.evaluator import METRICS
     from diffusion.evaluation.metrics import ADM_IS_SPLIT_SIZE
     from diffusion.evaluation.reference import ADM_REFERENCE_IMAGES
     from diffusion.models import DIT_TOPOLOGIES, DiT_models
 
-    sample_help = run("-m", "diffusion.sample", "--help").stdout
+    sample_help = commands["diffusion.sample help"]["out"]
     assert all(t in sample_help for t in DIT_TOPOLOGIES)
     sizes = {name.split("-")[1] for name in DiT_models}
     assert "DiT-{S,B,L,XL}/{2,4,8}" in sample_help and sizes == {"S/2", "S/4", "S/8", "B/2", "B/4", "B/8", "L/2", "L/4",
                                                                   "L/8", "XL/2", "XL/4", "XL/8"}
-    fid_help = " ".join(run("-m", "diffusion.fid", "--help").stdout.split())
+    fid_help = " ".join(commands["diffusion.fid help"]["out"].split())
     assert f"from {','.join(METRICS)}" in fid_help
     assert f"ADM's {ADM_IS_SPLIT_SIZE}" in fid_help and f"ADM's {ADM_REFERENCE_IMAGES}" in fid_help
 
 
-def test_bad_sample_labels_are_refused_before_the_weights_load(tmp_path):
+@pytest.mark.parametrize("labels", sorted(LABELS))
+def test_bad_sample_labels_are_refused_before_the_weights_load(commands, labels):
     """The class count comes from the checkpoint's header: the labels are refused before the model (timm) or its
     weights are loaded; the weights here would not even fit a DiT."""
-    checkpoint = tmp_path / "ema.safetensors"
-    save_file({"w": torch.zeros(4)}, str(checkpoint), metadata={"model": "DiT-S/4", "num_classes": "10"})
-    for labels, message in (("3,12", "--labels [12] are outside [0, 10)"), ("3,cat", "--labels '3,cat'")):
-        proc = run("-m", "diffusion.sample", "--checkpoint", str(checkpoint), "--grid", str(tmp_path / "g.png"),
-                   "--labels", labels)
-        errors = [line for line in messages(proc) if line.startswith("error")]
-        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
-        assert not imported(proc) & set(startup.HEAVY)
+    refused = commands[f"labels {labels}"]
+    errors = [line for line in refused["err"].splitlines() if line.startswith("error")]
+    assert refused["code"] == 2 and len(errors) == 1 and LABELS[labels] in errors[0], refused["err"][-2000:]
+    assert refused["heavy"] == []
 
 
 @pytest.mark.parametrize("trainer", sorted(startup.FIRST_LINE))
@@ -109,7 +143,7 @@ def test_a_trainer_says_what_starts_before_it_loads_the_libraries(trainer, tmp_p
         proc.kill()
         proc.communicate()
     assert line.startswith(f"{trainer}: {tmp_path / 'run'}: loading the libraries"), line
-    loaded = imported(subprocess.CompletedProcess([], 0, "", "".join(before)))
+    loaded = imported("".join(before))
     assert "torch" in loaded and not loaded & set(startup.HEAVY), sorted(loaded & set(startup.HEAVY))
 
 
