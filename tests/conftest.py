@@ -28,10 +28,10 @@ def pytest_configure(config):
 
 # The longest files first (measured with --durations): pytest-xdist's loadfile hands whole files to whichever worker
 # is free, in collection order, so a long file collected last would leave the other worker idle while it runs.
-LONGEST_FIRST = ("test_cluster.py", "test_bad_input.py", "test_faults.py", "test_diffusion_train.py",
-                 "test_startup.py", "test_paper_imagenet.py", "test_timm_suite.py", "test_rehearsal_dit.py",
-                 "test_vision_train.py", "test_metrics.py", "test_gpu_check.py", "test_trackers.py",
-                 "test_rehearsal_deit.py", "test_compare.py", "test_cli.py", "test_fid.py")
+LONGEST_FIRST = ("test_cluster.py", "test_faults.py", "test_diffusion_train.py", "test_paper_imagenet.py",
+                 "test_rehearsal_dit.py", "test_timm_suite.py", "test_vision_train.py", "test_gpu_check.py",
+                 "test_compare.py", "test_rehearsal_deit.py", "test_metrics.py", "test_cli.py", "test_trackers.py",
+                 "test_startup.py", "test_fid.py", "test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):
