@@ -3,7 +3,8 @@ never a silent wrong run, a traceback or lost data.
 
 Folder oddities (symlink loops, empty classes, train/val class names that differ), latents paired with another
 VAE, a VAE replaced in place under a resumed extraction, non-finite settings, sample grids and FIDs of NaN weights,
-a full disk, damaged weights files, missing optional pieces (classifier weights, DALI), several processes.
+a full disk, damaged weights files, missing optional pieces (classifier weights, DALI), several processes. A command
+runs as its entry point's ``main(argv)`` in this process (``tests/refusals.py``), except under torchrun.
 """
 import json
 import os
