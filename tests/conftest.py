@@ -30,7 +30,7 @@ def pytest_configure(config):
 # is free, in collection order, so a long file collected last would leave the other worker idle while it runs. Files
 # that start several processes (cluster, faults, the trainers, the rehearsals) alternate with files that compute in
 # one: run side by side, two multi-process files put three or four busy processes on the two cores, and the same
-# suite took 15 min 52 s in that order against 12 min 29 s in this one.
+# suite took 15 min 52 s in that order against 12 min 29 s and 13 min 33 s (two runs) in this one.
 LONGEST_FIRST = ("test_cluster.py", "test_timm_suite.py", "test_faults.py", "test_gpu_check.py",
                  "test_diffusion_train.py", "test_compare.py", "test_paper_imagenet.py", "test_metrics.py",
                  "test_rehearsal_dit.py", "test_startup.py", "test_vision_train.py", "test_fid.py",
