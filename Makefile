@@ -21,7 +21,7 @@ demo: $(STAMP) data
 	$(PY) -m scripts.demo
 
 # One pytest worker per core (TEST_WORKERS=0: in this process); each test file stays on one worker, and the files
-# go out in collection order (tests/conftest.py collects the longest first), not xdist's most-tests-first.
+# go out in collection order (tests/conftest.py's FILE_ORDER: longest first), not xdist's most-tests-first.
 TEST_WORKERS ?= auto
 test: $(STAMP) data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -5,7 +5,7 @@
 * Tests marked ``fashion_mnist`` need the Fashion-MNIST files (`make test` installs them where it can, as
   `make demo` does). Without them such a test is skipped with the command to run, except under CI
   (``CI=true``), where a missing dataset fails the test: CI must never go green by skipping.
-* The longest files are collected first, so that both workers stay busy to the end.
+* The longest files are collected first, multi-process and one-process files alternating (``FILE_ORDER``).
 """
 import os
 
@@ -26,20 +26,19 @@ def pytest_configure(config):
                                        "failed under CI=true)")
 
 
-# The longest files first (measured with --durations): pytest-xdist's loadfile hands whole files to whichever worker
-# is free, in collection order, so a long file collected last would leave the other worker idle while it runs. Files
+# The longest files first (by their --durations): pytest-xdist's loadfile hands whole files to whichever worker is
+# free, in collection order, so a long file collected last would leave the other worker idle while it runs. Files
 # that start several processes (cluster, faults, the trainers, the rehearsals) alternate with files that compute in
-# one: run side by side, two multi-process files put three or four busy processes on the two cores, and the same
-# suite took 15 min 52 s in that order against 12 min 29 s and 13 min 33 s (two runs) in this one.
-LONGEST_FIRST = ("test_cluster.py", "test_timm_suite.py", "test_faults.py", "test_gpu_check.py",
-                 "test_diffusion_train.py", "test_compare.py", "test_paper_imagenet.py", "test_metrics.py",
-                 "test_rehearsal_dit.py", "test_startup.py", "test_vision_train.py", "test_fid.py",
-                 "test_rehearsal_deit.py", "test_demo.py", "test_cli.py", "test_vision_data.py", "test_trackers.py",
-                 "test_bad_input.py")
+# one, because two multi-process files side by side put three or four busy processes on the two cores.
+FILE_ORDER = ("test_cluster.py", "test_timm_suite.py", "test_faults.py", "test_gpu_check.py",
+              "test_diffusion_train.py", "test_compare.py", "test_paper_imagenet.py", "test_metrics.py",
+              "test_rehearsal_dit.py", "test_startup.py", "test_vision_train.py", "test_fid.py",
+              "test_rehearsal_deit.py", "test_demo.py", "test_cli.py", "test_vision_data.py", "test_trackers.py",
+              "test_bad_input.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    order = {name: rank for rank, name in enumerate(FILE_ORDER)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep their order
 
 
