@@ -98,7 +98,7 @@ def run(module: str, *args, nproc: int = 1, timeout: float = 600) -> subprocess.
     one compute thread per process, as a user runs it on a CPU."""
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                                       "--master_port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, *launcher, "-m", module, *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

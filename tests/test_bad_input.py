@@ -421,8 +421,7 @@ def test_a_batch_two_processes_cannot_split_is_said_once(tmp_path):
     proc = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), "-m", "vision.train", "--config", "configs/fmnist_deit_siamese.yaml",
                            "optim.batch_size=127", f"train.output_dir={tmp_path / 'run'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert errors == ["error: global batch size 127 is not divisible by processes (2) x gradient accumulation (1); "

@@ -85,7 +85,7 @@ def test_rank_0_says_the_line_the_others_leave_it_for_the_launcher(tmp_path, cap
 def torchrun(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def test_a_bad_command_line_under_two_processes_is_said_once(tmp_path):

@@ -31,7 +31,7 @@ DIT = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), "model.kwargs=
        "data.num_workers=1", "train.tensorboard=false", "train.threads=1", "data.max_samples=96", "optim.batch_size=8",
        "optim.steps=24", "train.log_every=1", "train.ckpt_every=1000", "train.ema_decay=0.5", "train.sample_every=12",
        "train.sample_count=2", "train.sample_steps=2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
 def launch(module, args, out, nproc=1, **popen):

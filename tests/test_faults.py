@@ -216,7 +216,7 @@ def test_metrics_after_a_kill_are_cut_back_to_the_checkpoint(tmp_path):
     args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *DIT, f"train.output_dir={tmp_path}",
             "train.ckpt_every=3", "optim.steps=100000"]
     killed = subprocess.run([sys.executable, "-m", "tests.faults", "step", "5", "--", "-m", "diffusion.train", *args],
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert max(r["step"] for r in read_metrics(tmp_path)) == 4
@@ -254,7 +254,7 @@ def test_killed_at_a_chosen_moment_resumes_bit_identically(uninterrupted, tmp_pa
     module, recipe, overrides = KILL_RUNS[family]
     args = ["--config", str(ROOT / "configs" / recipe), *overrides, f"train.output_dir={tmp_path}"]
     killed = subprocess.run([sys.executable, "-m", "tests.faults", point, str(nth), "--", "-m", module, *args], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (deit_train.main if family == "deit" else dit_train.main)(args)  # the same command again
@@ -268,7 +268,7 @@ def test_killed_at_a_chosen_moment_resumes_bit_identically(uninterrupted, tmp_pa
 def faulted(point: str, nth: int, module: str, *args) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` under the fault ``point`` of tests/faults.py (a run as a user starts it)."""
     return subprocess.run([sys.executable, "-m", "tests.faults", point, str(nth), "--", "-m", module, *args], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -46,7 +46,7 @@ def study(out, inputs, *extra):
 
 def run(*args, env=None):
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def test_the_study_runs_end_to_end_and_a_preempted_job_continues(inputs, tmp_path):
@@ -187,7 +187,7 @@ def test_a_submitted_training_runs_under_the_job_script_and_requeues_when_preemp
     script = train.index("scripts/cluster/train.sbatch")
     module = next(a for a in train[:script] if a.startswith("--export=")).split("MODULE=")[1]
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "SLURM_NTASKS": "1",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURM_NTASKS": "1",
            "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "1001", "SLURM_JOB_NODELIST": "localhost",
            "SLURM_SUBMIT_DIR": str(ROOT), "MASTER_PORT": str(free_port())}
     job_script = str(ROOT / train[script])

@@ -79,7 +79,7 @@ def commands(tmp_path_factory):
                                                          str(checkpoint.with_name("g.png")), "--labels", labels])
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(startup.HEAVY), json.dumps(todo)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -132,7 +132,7 @@ def test_a_trainer_says_what_starts_before_it_loads_the_libraries(trainer, tmp_p
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", trainer, *startup.FIRST_LINE[trainer],
                              f"train.output_dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     before = []
     try:
         for line in proc.stdout:

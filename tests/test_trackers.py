@@ -20,7 +20,7 @@ DIT = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), "model.kwargs=
        "data.num_workers=0", "train.threads=1", "data.max_samples=32", "optim.batch_size=8", "optim.steps=4",
        "train.log_every=2", "train.sample_every=2", "train.sample_count=2", "train.sample_steps=2",
        "train.ema_decay=0.5", "train.ckpt_every=2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 
 def train(out: Path, *extra) -> subprocess.CompletedProcess:

@@ -262,7 +262,7 @@ def test_two_processes_sample_a_transport_model_as_one_and_record_its_sampler(mo
                 "--guidance-interval", "0.3,1", *extra]
 
     main(args(tmp_path / "one"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), "-m", "diffusion.sample", *args(tmp_path / "two")], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -102,7 +102,7 @@ def test_two_processes_match_one_process(tmp_path, topology):
               "optim.warmup_epochs=0", "train.tensorboard=true"]  # TensorBoard on, as users get it
     args = ["--config", str(ROOT / "configs/fmnist_deit_siamese.yaml"), *TINY, *common,
             f"model.name=deit_tiny_{topology}_patch16_224"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "vision.train", *args, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
