@@ -77,7 +77,7 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
     """SIGKILL a run after its first checkpoint, leave a torn newer checkpoint file, resume: same weights."""
     args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, f"train.output_dir={tmp_path}",
             "train.ckpt_every=2", "train.keep_last=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # optim.steps=100000: the run cannot finish before it is killed.
     proc = subprocess.Popen([sys.executable, "-m", "diffusion.train", *args, "optim.steps=100000"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -99,11 +99,24 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
 
 
 def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
-    # TensorBoard on, as users get it: the run must still exit 0 on every rank.
+    """Two processes (torchrun, gloo; TensorBoard on, as users get it) train the reference's weights and log its
+    losses. Each samples its share of the in-training FID (chunks k, k + 2, ...) and the main one scores the gathered
+    features: the number diffusion.sample + diffusion.fid give on the run's EMA, up to the batching of the feature
+    pass. Gradient accumulation and recomputation (one process) train the same weights too."""
+    from common.checkpoint import save_weights
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
     args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, "train.tensorboard=true"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fid = ["train.fid_every=6", "train.fid_samples=24", "train.fid_batch_size=4", "train.fid_steps=3",
+           "train.fid_reference=fashion-mnist:test", "train.fid_feature_extractor=fmnist-cnn",
+           f"train.fid_extractor_weights={weights}"]  # at step 6, the last: the weights are final
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"]
+           "-m", "diffusion.train", *args, *fid, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "two" / "tb").rglob("events.out.tfevents.*"))
@@ -112,6 +125,12 @@ def test_two_processes_and_grad_accum_match_one_process(reference, tmp_path):
     one = [r["train/loss"] for r in read_metrics(reference) if "train/loss" in r]
     two = [r["train/loss"] for r in read_metrics(tmp_path / "two") if "train/loss" in r]
     assert two == pytest.approx(one, rel=1e-5)  # the logged loss is the global-batch mean
+    (logged,) = [r for r in read_metrics(tmp_path / "two") if "fid/fd" in r]
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        direct = sample_and_score(tmp_path / "two" / "ema.safetensors", tmp_path / "direct", num_samples=24, steps=3,
+                                  extractor_weights=weights, seed=0)
+    assert (logged["step"], logged["fid/samples"]) == (6, 24)
+    assert logged["fid/fd"] == pytest.approx(direct["metrics"]["fid"], rel=1e-4)
     main([*args, "optim.grad_accum=2", f"train.output_dir={tmp_path / 'accum'}"])
     same_weights(reference, tmp_path / "accum", exact=False)
     main([*args, "model.grad_checkpointing=true", f"train.output_dir={tmp_path / 'recompute'}"])
@@ -123,7 +142,7 @@ def test_multistream_topologies_train_the_same_on_two_processes(tmp_path, topolo
     """Hyper-Connections' n streams and Attention Residuals' list of sources through the trainer: one process and
     two (torchrun, gloo) reach the same weights, and the checkpoint records the topology."""
     args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, f"model.topology={topology}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -230,33 +249,6 @@ def test_in_training_fid_config_errors(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_in_training_fid_sampled_by_two_processes_equals_sample_then_fid(tmp_path):
-    """Every process samples its share (chunks k, k + 2, ...) and the main one scores the gathered features: the
-    same number as diffusion.sample + diffusion.fid on the run's EMA, up to the batching of the feature pass."""
-    from common.checkpoint import save_weights
-    from diffusion.evaluation.features import FashionMNISTClassifier
-    from diffusion.fid import sample_and_score
-
-    torch.manual_seed(0)
-    weights = tmp_path / "fmnist_cnn.safetensors"
-    save_weights(FashionMNISTClassifier(), weights)
-    args = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), *TINY, *SMALL, "optim.steps=2", "train.seed=5",
-            "train.fid_every=2", "train.fid_samples=24", "train.fid_batch_size=4", "train.fid_steps=3",
-            "train.fid_reference=fashion-mnist:test", "train.fid_feature_extractor=fmnist-cnn",
-            f"train.fid_extractor_weights={weights}", f"train.output_dir={tmp_path / 'two'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "diffusion.train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (logged,) = [r for r in read_metrics(tmp_path / "two") if "fid/fd" in r]
-    with pytest.warns(UserWarning, match="covariance is singular"):
-        direct = sample_and_score(tmp_path / "two" / "ema.safetensors", tmp_path / "direct", num_samples=24, steps=3,
-                                  extractor_weights=weights, seed=5)
-    assert logged["fid/samples"] == 24
-    assert logged["fid/fd"] == pytest.approx(direct["metrics"]["fid"], rel=1e-4)
-
-
 def flow_config(out, *overrides, topology="siamese"):
     return load_config(TrainConfig, ROOT / f"configs/fmnist_sit_{topology}.yaml",
                        [*TINY, f"train.output_dir={out}", *overrides])
@@ -330,7 +322,7 @@ def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
     records = [r for r in read_metrics(tmp_path / "one") if "train/loss" in r]
     assert all(r["train/loss"] == pytest.approx(r["train/mse"] + 0.5 * r["train/repa"], rel=1e-5) for r in records)
     assert all(-1 <= r["train/repa"] <= 1 for r in records) and records[-1]["train/repa"] < records[0]["train/repa"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
