@@ -5,7 +5,9 @@ The tolerance: bf16 autocast rounds every matmul input to 8 significant bits (a 
 so a tiny model's loss differs from fp32's by a fraction of a percent per step and the gap grows slowly over a
 few steps; 5% of the loss bounds it with room, while a broken path (weights kept in bf16, a skipped update, a
 graph that drops a term, NaN) moves the loss far more. Inductor is told to draw random numbers as eager does
-(``fallback_random``), so drop path, label dropout and the diffusion noise are the same draws in both runs.
+(``fallback_random``), so drop path, label dropout and the diffusion noise are the same draws in both runs. The
+DeiT run evaluates after each epoch, as a user's does: its eval-mode graph (a partial last batch) compiles in the
+first epoch only.
 """
 import json
 from pathlib import Path
@@ -24,9 +26,9 @@ pytestmark = pytest.mark.fashion_mnist
 ROOT = Path(__file__).resolve().parents[1]
 
 DEIT = ["model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
-        "data.num_workers=0", "data.max_train_samples=96", "data.max_val_samples=16", "optim.batch_size=16",
-        "optim.epochs=2", "train.stop_at_step=6", "train.ema_decay=0.9", "model.drop_path=0.1", "augment.mixup=0.8",
-        "augment.cutmix=1.0"]  # stopped before the end of training: no evaluation (an eval-mode graph to compile)
+        "data.num_workers=0", "data.max_train_samples=32", "data.max_val_samples=20", "optim.batch_size=16",
+        "train.eval_batch_size=16", "optim.epochs=3", "train.ema_decay=0.9", "model.drop_path=0.1",
+        "augment.mixup=0.8", "augment.cutmix=1.0"]  # 3 epochs of 2 steps; evaluations of 16 + 4 images
 DIT = ["model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=0", "data.max_samples=48",
        "optim.batch_size=8", "optim.steps=6", "train.sample_every=0", "train.ema_decay=0.9"]
 
@@ -42,7 +44,8 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def losses(schema, task_cls, recipe, overrides, out: Path, *, cuda_defaults: bool):
+def losses(schema, task_cls, recipe, overrides, out: Path, *, cuda_defaults: bool, graphs=None):
+    """The run's logged losses; ``graphs`` (a list) gets dynamo's count of compiled graphs after each epoch."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the eager fp32 run before it left its state
@@ -51,7 +54,18 @@ def losses(schema, task_cls, recipe, overrides, out: Path, *, cuda_defaults: boo
     cfg = load_config(schema, ROOT / "configs" / recipe, [*overrides, *settings, "train.log_every=1",
                                                           "train.tensorboard=false", "train.threads=1",
                                                           f"train.output_dir={out}"])
-    trainer = Trainer(cfg, task_cls(cfg))
+    task = task_cls(cfg)
+    if graphs is not None:
+        after_step = task.after_step
+
+        def counted(ctx):
+            out = after_step(ctx)
+            if ctx.epoch_end:
+                graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            return out
+
+        task.after_step = counted
+    trainer = Trainer(cfg, task)
     trainer.fit()
     assert (trainer.accelerator.mixed_precision == "bf16") == cuda_defaults
     assert isinstance(trainer.train_model, torch._dynamo.eval_frame.OptimizedModule) == cuda_defaults
@@ -68,8 +82,12 @@ def test_compiled_bf16_training_follows_eager_fp32(tmp_path, family):
     args = ((deit_train.TrainConfig, DeiTTask, "fmnist_deit_siamese.yaml", DEIT) if family == "deit" else
             (dit_train.TrainConfig, DiTTask, "fmnist_dit_siamese.yaml", DIT))
     eager = losses(*args, tmp_path / "eager", cuda_defaults=False)
+    torch._dynamo.reset()
+    graphs = []
     with torch._inductor.config.patch(fallback_random=True):
-        default = losses(*args, tmp_path / "default", cuda_defaults=True)
+        default = losses(*args, tmp_path / "default", cuda_defaults=True, graphs=graphs)
+    if family == "deit":  # compiled in epoch 1 (training and evaluation), nothing new after
+        assert len(graphs) == 3 and graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], graphs
     assert len(eager) == len(default) == 6
     for step, (a, b) in enumerate(zip(eager, default), 1):
         assert b == pytest.approx(a, rel=0.05), (step, eager, default)
