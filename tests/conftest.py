@@ -1,9 +1,8 @@
 """Test-session settings.
 
 * One BLAS thread (scipy's sqrtm spins on a busy 2-core machine otherwise), and one OpenMP thread in every process
-  a test starts (torchrun's own default): the processes share the cores, and a thread that waits for a core spins
-  (timm's suite took nearly 1.5 times the CPU time on two threads beside one busy process). Under pytest-xdist
-  (`make test` runs one worker per core) each worker also computes on one torch thread.
+  a test starts (torchrun's own default): the processes share the cores, and a thread that waits for a core spins.
+  Under pytest-xdist (`make test` runs one worker per core) each worker also computes on one torch thread.
 * Tests marked ``fashion_mnist`` need the Fashion-MNIST files (`make test` installs them where it can, as
   `make demo` does). Without them such a test is skipped with the command to run, except under CI
   (``CI=true``), where a missing dataset fails the test: CI must never go green by skipping.

@@ -95,7 +95,7 @@ def free_port() -> int:
 
 def run(module: str, *args, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` (or ``torchrun --nproc_per_node NPROC -m MODULE ARGS``) from the repository root,
-    one compute thread per process, as a user runs it on a CPU."""
+    one compute thread per process (tests/conftest.py), as a user runs it on a CPU."""
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                                       "--master_port", str(free_port())]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -82,7 +82,6 @@ def test_compiled_bf16_training_follows_eager_fp32(tmp_path, family):
     args = ((deit_train.TrainConfig, DeiTTask, "fmnist_deit_siamese.yaml", DEIT) if family == "deit" else
             (dit_train.TrainConfig, DiTTask, "fmnist_dit_siamese.yaml", DIT))
     eager = losses(*args, tmp_path / "eager", cuda_defaults=False)
-    torch._dynamo.reset()
     graphs = []
     with torch._inductor.config.patch(fallback_random=True):
         default = losses(*args, tmp_path / "default", cuda_defaults=True, graphs=graphs)

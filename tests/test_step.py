@@ -107,8 +107,7 @@ def _grads(model):
 
 
 def test_compiled_models_equal_eager():
-    """One tiny model per family under inductor: outputs and gradients equal eager (the compiled trainer, bf16, with
-    its per-epoch evaluation compiled once: test_cuda_defaults.py)."""
+    """One tiny model per family under inductor: outputs and gradients equal eager."""
     import copy
 
     import timm
