@@ -52,8 +52,8 @@ def wait_for_step(out: Path, step: int, proc, timeout=240) -> None:
     raise AssertionError(f"no step {step} logged in {timeout} s")
 
 
-def finished(module, args, out, nproc=1):
-    proc = launch(module, args, out, nproc)
+def finished(module, args, out, nproc=1, **popen):
+    proc = launch(module, args, out, nproc, **popen)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     return out
@@ -67,13 +67,15 @@ def same_weights(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Uninterrupted runs: two processes under torchrun (DeiT), and one in this process (DiT: the same function
-    ``python -m diffusion.train`` calls, without another start-up)."""
+    """Uninterrupted runs: two processes under torchrun (DeiT, under a group-writable umask, as shared cluster projects
+    use: not the default), and one in this process (DiT: the same function ``python -m diffusion.train`` calls,
+    without another start-up)."""
     from diffusion.train import main as dit_main
 
     root = tmp_path_factory.mktemp("uninterrupted")
     dit_main([*DIT, f"train.output_dir={root / 'dit_1'}"])
-    return {"deit_2": finished("vision.train", DEIT, root / "deit_2", nproc=2), "dit_1": root / "dit_1"}
+    deit_2 = finished("vision.train", DEIT, root / "deit_2", nproc=2, preexec_fn=lambda: os.umask(0o002))
+    return {"deit_2": deit_2, "dit_1": root / "dit_1"}
 
 
 # One process (DiT) and two under torchrun (DeiT): the stop path is the trainer's, the same for both families.
@@ -169,17 +171,12 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tmp_path):
     assert recorded["message"] == errors[0][0] and recorded["extraInfo"]["py_callstack"] == f"{errors[0][0]} (rank 1)"
 
 
-def test_outputs_follow_the_umask(tmp_path):
-    for umask, mode in ((0o002, 0o664),):  # a group-writable umask, as shared cluster projects use (not the default)
-        out = tmp_path / oct(umask)
-        proc = subprocess.Popen([sys.executable, "-m", "vision.train", *DEIT, "optim.epochs=1", "data.max_train_samples=32",
-                                 "train.ckpt_every=1", f"train.output_dir={out}"], cwd=ROOT, env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda m=umask: os.umask(m))
-        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
-        for path in [out / "model.safetensors", out / "ema.safetensors", out / "config.yaml", out / "metrics.jsonl",
-                     out / "final_metrics.json", *sorted((out / "checkpoints").iterdir())]:
-            assert path.stat().st_mode & 0o777 == mode, (path, oct(path.stat().st_mode & 0o777), oct(mode))
+def test_outputs_follow_the_umask(references):
+    """Every file of the two-process reference run, written under umask 002, is group-writable (0o664)."""
+    out = references["deit_2"]
+    for path in [out / "model.safetensors", out / "ema.safetensors", out / "config.yaml", out / "metrics.jsonl",
+                 out / "final_metrics.json", *sorted((out / "checkpoints").iterdir())]:
+        assert path.stat().st_mode & 0o777 == 0o664, (path, oct(path.stat().st_mode & 0o777))
 
 
 @pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"])
