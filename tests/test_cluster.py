@@ -206,8 +206,7 @@ def test_accelerates_dynamo_backend_and_train_compile_are_refused_together(tmp_p
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        error = refusal(main, [*DEIT, "train.compile=true", f"train.output_dir={tmp_path}"],
-                        capsys)
+        error = refusal(main, [*DEIT, "train.compile=true", f"train.output_dir={tmp_path}"], capsys)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert "would both compile" in error

@@ -43,8 +43,7 @@ def study(out, inputs, *extra):
     """One model per family (the other two differ only in the recipe file they train: ``--dry-run`` below plans all
     four)."""
     return ["--launcher", "local", "--out", out, *inputs, "--models", "deit_tiny", "dit_l4", "--fid-samples", "4",
-            "--sample-steps", "2",
-            "--sample-batch-size", "4", "--set-deit", *DEIT, "--set-dit", *DIT, *extra]
+            "--sample-steps", "2", "--sample-batch-size", "4", "--set-deit", *DEIT, "--set-dit", *DIT, *extra]
 
 
 def run(*args, env=None):
