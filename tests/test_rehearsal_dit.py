@@ -75,7 +75,8 @@ def test_extract_latents_under_torchrun_splits_the_shards(chain, tmp_path):
     root = chain["root"]
     proc = check(run("diffusion.extract_latents", "--data-path", root / "imagenet" / "train", "--vae", root / "vae",
                      "--out", tmp_path, "--num-workers", 1, "--shard-size", 8, nproc=2))
-    # Each process takes every 2nd shard (before the fix, each process ran alone and encoded every shard).
+    # Each process takes every 2nd shard and rank 0 alone writes the summary (two processes that each ran alone
+    # would each encode every shard and print it).
     assert "-> 3 shards of 8 over 2 process(es)" in proc.stdout and proc.stdout.count("wrote ") == 1, proc.stdout
     one = json.loads((root / "latents" / "metadata.json").read_text())
     two = json.loads((tmp_path / "metadata.json").read_text())

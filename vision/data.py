@@ -187,7 +187,7 @@ def load_rgb_tensor(path) -> torch.Tensor:
 
     Decoded by torchvision.io (libjpeg-turbo, libpng, libwebp straight into the tensor, without Pillow's
     RGBX -> RGB repacking; ``python -m benchmarks.data_feed --breakdown`` times both); the pixels equal Pillow's ``convert("RGB")`` for JPEG
-    (YCbCr, grayscale, CMYK), PNG (8-bit, palette, alpha) and WebP (tested). Files it does not decode as one
+    (YCbCr, grayscale, CMYK), PNG (8-bit, palette, alpha) and WebP. Files it does not decode as one
     8-bit image (BMP, TIFF, 16-bit PNG, animations), and every file once torchvision drops these decoders
     (deprecated in 0.29 in favour of TorchCodec), go through :func:`load_rgb`; broken files raise Pillow's
     error, so ReadableImageFolder skips them.
