@@ -4,7 +4,7 @@ The weights are random (the real ones cannot be downloaded here) but the archite
 torch-fidelity's ``inception-v3-compat`` (torchvision's Inception-v3 with 1008 classes has the same state dict),
 and the file is loaded through the same option a user passes. FID on the 64-d first pooled layer keeps the
 Inception forward and the matrix square roots cheap on CPU; the code path is the same as for layer 2048. sFID's
-2023-d square root takes minutes on a busy CPU: its statistics are checked against the re-statement and the
+2023-d matrix root would add seconds per run: its statistics are checked against the re-statement and the
 distance itself is the Frechet distance tested on hand-made features in test_metrics.py.
 """
 import json
