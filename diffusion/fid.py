@@ -58,7 +58,8 @@ def parse_args(argv=None):
                         "and the reference allow)")
     m.add_argument("--frechet-method", choices=("eigh", "sqrtm"), default="eigh",
                    help="the matrix-root trace of FID/sFID: eigh (default: from symmetric eigenvalues, float64, "
-                        "seconds) or sqrtm (ADM's evaluator's scipy.linalg.sqrtm: about 8 times eigh's time at 2048-d); "
+                        "seconds) or sqrtm (ADM's evaluator's scipy.linalg.sqrtm of the non-symmetric product: "
+                        "slower); "
                         "they agree to 1e-6")
     m.add_argument("--is-split-size", type=int, default=None,
                    help="Inception Score over consecutive splits of this many samples (default: ADM's 5000)")

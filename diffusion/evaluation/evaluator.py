@@ -16,7 +16,8 @@ Inception graph ADM's evaluator runs; see :class:`diffusion.evaluation.features.
 
 * ``fid``: Frechet distance of the 2048-d pool features (ADM ``pool_3``; layer ``"2048"``), float64 mean and
   covariance, ADM's formula with the trace of the matrix root from symmetric eigenvalues (``frechet_method="eigh"``,
-  seconds) or, as ADM computes it, from ``scipy.linalg.sqrtm`` (``"sqrtm"``, about 8 times as long); equal to 1e-6.
+  seconds) or, as ADM computes it, from ``scipy.linalg.sqrtm`` (``"sqrtm"``, a slower Schur decomposition); equal
+  to 1e-6.
 * ``sfid``: the same on ADM's spatial features (``mixed_6/conv``, first 7 channels, NHWC order: 2023-d).
 * ``is``: ``softmax(pool @ W)`` without the bias (ADM's graph; torch-fidelity's ``"logits_unbiased"``), over
   consecutive splits of 5,000 samples, the mean of ``exp(mean KL(p(y|x) || p(y)))``.
@@ -267,7 +268,7 @@ class Evaluator:
                           "the Frechet distance strongly biased; compare only numbers with equal sample counts "
                           "(published FIDs use 50,000)", stacklevel=3)
         say(self.progress, f"{metric}: Frechet distance of {len(stats.mu)}-d statistics ({self.frechet_method}"
-                           f"{', about 8 times as long as eigh' if self.frechet_method == 'sqrtm' else ''}) ...")
+                           f"{', the slower root' if self.frechet_method == 'sqrtm' else ''}) ...")
         return frechet_distance(stats.mu, stats.sigma, reference.mu, reference.sigma, method=self.frechet_method)
 
     def protocol(self) -> dict:

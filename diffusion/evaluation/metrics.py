@@ -158,8 +158,9 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     gives 0, not the rounding's -1e-7).
 
     ``method``: ``eigh`` (default) takes the trace from eigenvalues (:func:`trace_sqrt_product`), seconds at
-    2048-d; ``sqrtm`` is ADM's evaluator's ``scipy.linalg.sqrtm`` of the product (about 8 times eigh's time at 2048-d;
-    ``eps`` is its retry offset). The two agree to 1e-6 relative on Inception-sized statistics.
+    2048-d; ``sqrtm`` is ADM's evaluator's ``scipy.linalg.sqrtm`` of the product (a Schur decomposition of a
+    non-symmetric matrix: slower; ``eps`` is its retry offset). The two agree to 1e-6 relative on Inception-sized
+    statistics.
     """
     if method not in FRECHET_METHODS:
         raise MetricsError(f"Frechet distance method {method!r}: choose one of {', '.join(FRECHET_METHODS)}")
