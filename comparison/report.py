@@ -276,6 +276,14 @@ def write_diagnostic_plots(results: Sequence[dict], runs_dir: Path, report_dir: 
     return written
 
 
+def interim_notice(pending: Sequence[str]) -> List[str]:
+    """A pre-registered study is judged on every run: while some are unfinished, the verdicts are a partial look."""
+    if not pending:
+        return []
+    return ["", f"**Interim report: {len(pending)} of the study's runs unfinished.** Every verdict below is read from the seeds "
+            "finished so far and is not the study's; the study's verdicts are this report's once no run is left.", ""]
+
+
 def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task: str, pending: Sequence[str] = (),
                  command: str = "", notes: str = "", baselines: Sequence[str] = (),
                  reused: Optional[Dict[tuple, Dict[int, float]]] = None, reuse_note: str = "") -> Path:
@@ -293,7 +301,7 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
                   "is trained again):", "", f"    {command}", ""]
     lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
               + f". {label}: mean ± std over seeds that did not diverge ({'higher' if higher else 'lower'} is better); "
-              "`n` = seeds counted / runs.", ""]
+              "`n` = seeds counted / runs."] + (interim_notice(pending) or [""])
     lines += [f"| depth | lr | topology | {label} | n | diverged | final train loss |", "|---|---|---|---|---|---|---|"]
     for (depth, lr, topo), s in sorted(summary.items()):
         final = f"{s['final_loss']:.3f}" if s["final_loss"] is not None else "--"
@@ -436,7 +444,7 @@ def write_objectives_report(results: Sequence[dict], report_dir: Path, objective
         lines += ["Regenerate (finished runs under the same --out are reused):", "", f"    {command}", ""]
     lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
               + f". {label} of the final EMA weights (lower is better): mean ± std over seeds; one report per objective: "
-              + ", ".join(f"[{o}]({o}/report.md)" for o in objectives) + ".", ""]
+              + ", ".join(f"[{o}]({o}/report.md)" for o in objectives) + "."] + (interim_notice(pending) or [""])
     groups: Dict[tuple, Dict[int, dict]] = {}
     for r in results:
         if not r["divergence"]["diverged"] and r.get(metric) is not None:

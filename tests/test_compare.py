@@ -201,6 +201,7 @@ def test_a_run_claimed_by_another_process_is_skipped(tmp_path):
     finally:
         claim.release()
     assert "0 finished runs, 1 unfinished: pre_d2_lr0.001_s0" in report
+    assert "**Interim report: 1 of the study's runs unfinished.** Every verdict below" in report
     assert not (tmp_path / "runs" / "pre_d2_lr0.001_s0").exists()
 
 
@@ -219,7 +220,7 @@ def test_a_report_of_one_point_curves_and_equal_scores_is_readable(tmp_path):
     results = [result("pre", 0, [(4, 0.9)]), result("siamese", 0, [(4, 0.8)])]
     report = write_report(results, tmp_path / "runs", tmp_path, "dit").read_text()
     assert "every topology has the same FID (fmnist-cnn) (812.5000), exactly" in report and "zero-initialised" in report
-    assert "812.50 (1 seed)" in report and "± 0.00" not in report
+    assert "812.50 (1 seed)" in report and "± 0.00" not in report and "Interim" not in report
     pixels = np.asarray(Image.open(tmp_path / "loss_curves.png").convert("RGB")).reshape(-1, 3).astype(int)
     blue = ((abs(pixels - [31, 119, 180]).sum(1)) < 60).sum()  # tab:blue, the Pre-Norm dot (legend swatch excluded)
     green = ((abs(pixels - [44, 160, 44]).sum(1)) < 60).sum()
@@ -242,6 +243,7 @@ def test_a_study_over_two_objectives_logs_the_distance_at_fixed_steps(tmp_path, 
 
     from common.checkpoint import save_weights
     from common.logging import read_metrics
+    from comparison.report import write_objectives_report
     from diffusion.evaluation.features import FashionMNISTClassifier
     from scripts import compare
 
@@ -266,6 +268,7 @@ def test_a_study_over_two_objectives_logs_the_distance_at_fixed_steps(tmp_path, 
     ddpm = json.loads((tmp_path / "c" / "runs" / "pre_d2_lr0.002_s0" / "result.json").read_text())
     assert ddpm["objective"] == "ddpm" and len(ddpm["fid_curve"]) == 2
     text = report.read_text()
+    assert "Interim" not in text and "Interim" in write_objectives_report([], tmp_path / "r", ["ddpm"], ["a"]).read_text()
     assert "[ddpm](ddpm/report.md), [flow](flow/report.md)" in text and "| flow | siamese |" in text
     assert "- **flow**: " in text and "| step 3 | step 6 |" in text
     assert (tmp_path / "c" / "flow" / "report.md").is_file() and (tmp_path / "c" / "distance_curves.png").is_file()
