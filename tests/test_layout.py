@@ -1,7 +1,9 @@
 """The package arrows the layout promises: common/ serves both families and imports neither; vision/ and
 diffusion/ never import each other; scripts/ holds entry points that no module imports (only tests run them). A
-crossed arrow is how a second copy of an idea starts."""
+crossed arrow is how a second copy of an idea starts. And every relative link of the README and docs/ resolves, so a
+newcomer following one finds the page and section it names."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,35 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from diffusion.latents import load_vae\n")
     assert imported_packages(f) == {"diffusion"}
+
+
+def _prose(page: Path) -> str:
+    return re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a `# comment` in a code block is no heading
+
+
+def heading_anchors(page: Path) -> set:
+    """GitHub's anchors: the heading lower-cased, punctuation other than - and _ dropped, spaces as -."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+\s+(.*)$", _prose(page), flags=re.M)}
+
+
+def broken_links(page: Path) -> list:
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", _prose(page)):
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = page.parent / path if path else page
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in heading_anchors(target)):
+            broken.append(link)
+    return broken
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves(tmp_path):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    assert len(pages) > 10
+    assert {str(p.relative_to(ROOT)): b for p in pages if (b := broken_links(p))} == {}
+    page = tmp_path / "page.md"
+    page.write_text("# A heading\n[ok](#a-heading) [gone](missing.md) [no section](#no-such) [web](https://x.org/y)\n"
+                    "```bash\n# not a heading\n```\n[code](#not-a-heading)\n")
+    assert broken_links(page) == ["missing.md", "#no-such", "#not-a-heading"]
