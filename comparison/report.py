@@ -280,8 +280,9 @@ def interim_notice(pending: Sequence[str]) -> List[str]:
     """A pre-registered study is judged on every run: while some are unfinished, the verdicts are a partial look."""
     if not pending:
         return []
-    return ["", f"**Interim report: {len(pending)} of the study's runs unfinished.** Every verdict below is read from the seeds "
-            "finished so far and is not the study's; the study's verdicts are this report's once no run is left.", ""]
+    return ["", f"**Interim report: {len(pending)} of the study's runs unfinished.** Every verdict below is read "
+            "from the seeds finished so far and is not the study's; the study's verdicts are this report's once no run "
+            "is left.", ""]
 
 
 def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task: str, pending: Sequence[str] = (),
