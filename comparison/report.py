@@ -277,9 +277,10 @@ def write_diagnostic_plots(results: Sequence[dict], runs_dir: Path, report_dir: 
 
 
 def interim_notice(pending: Sequence[str]) -> List[str]:
-    """A pre-registered study is judged on every run: while some are unfinished, the verdicts are a partial look."""
+    """The lines after a report's first paragraph. A pre-registered study is judged on every run: while some are
+    unfinished, the verdicts are a partial look, and the report says so."""
     if not pending:
-        return []
+        return [""]
     return ["", f"**Interim report: {len(pending)} of the study's runs unfinished.** Every verdict below is read "
             "from the seeds finished so far and is not the study's; the study's verdicts are this report's once no run "
             "is left.", ""]
@@ -302,7 +303,7 @@ def write_report(results: Sequence[dict], runs_dir: Path, report_dir: Path, task
                   "is trained again):", "", f"    {command}", ""]
     lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
               + f". {label}: mean ± std over seeds that did not diverge ({'higher' if higher else 'lower'} is better); "
-              "`n` = seeds counted / runs."] + (interim_notice(pending) or [""])
+              "`n` = seeds counted / runs."] + interim_notice(pending)
     lines += [f"| depth | lr | topology | {label} | n | diverged | final train loss |", "|---|---|---|---|---|---|---|"]
     for (depth, lr, topo), s in sorted(summary.items()):
         final = f"{s['final_loss']:.3f}" if s["final_loss"] is not None else "--"
@@ -445,7 +446,7 @@ def write_objectives_report(results: Sequence[dict], report_dir: Path, objective
         lines += ["Regenerate (finished runs under the same --out are reused):", "", f"    {command}", ""]
     lines += [f"{len(results)} finished runs" + (f", {len(pending)} unfinished: {', '.join(pending)}" if pending else "")
               + f". {label} of the final EMA weights (lower is better): mean ± std over seeds; one report per objective: "
-              + ", ".join(f"[{o}]({o}/report.md)" for o in objectives) + "."] + (interim_notice(pending) or [""])
+              + ", ".join(f"[{o}]({o}/report.md)" for o in objectives) + "."] + interim_notice(pending)
     groups: Dict[tuple, Dict[int, dict]] = {}
     for r in results:
         if not r["divergence"]["diverged"] and r.get(metric) is not None:

@@ -59,8 +59,7 @@ def parse_args(argv=None):
     m.add_argument("--frechet-method", choices=("eigh", "sqrtm"), default="eigh",
                    help="the matrix-root trace of FID/sFID: eigh (default: from symmetric eigenvalues, float64, "
                         "seconds) or sqrtm (ADM's evaluator's scipy.linalg.sqrtm of the non-symmetric product: "
-                        "slower); "
-                        "they agree to 1e-6")
+                        "slower); they agree to 1e-6")
     m.add_argument("--is-split-size", type=int, default=None,
                    help="Inception Score over consecutive splits of this many samples (default: ADM's 5000)")
     m.add_argument("--pr-batch-size", type=int, default=5000,
