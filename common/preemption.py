@@ -68,15 +68,27 @@ class StopRequests:
         self._previous = {}
 
     def install(self) -> "StopRequests":
+        """Record the signals from now on. A signal an enclosing :class:`StopRequests` (a comparison that runs runs in
+        turn) has received is taken over: this run stops at its first step."""
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._record)
+            outer = getattr(self._previous[number], "__self__", None)
+            if isinstance(outer, StopRequests) and outer.received == number:
+                self.received = number
         return self
 
     def restore(self) -> None:
-        """The handlers from before :meth:`install`; ``SIG_IGN`` after :func:`ignore_stop_signals_at_exit`."""
+        """The handlers from before :meth:`install`; ``SIG_IGN`` after :func:`ignore_stop_signals_at_exit`.
+
+        A stop signal this run received is passed on to the handler from before when that is a Python function: a
+        process that runs several runs in turn (``scripts.compare``) learns of it and starts no further run, also
+        when the signal came after this run's last step, where the run itself ignores it."""
+        previous = self._previous.get(self.received) if self.received else None
         for number, handler in self._previous.items():
             signal.signal(number, signal.SIG_IGN if _IGNORE_AT_EXIT else handler)
         self._previous.clear()
+        if callable(previous) and not _IGNORE_AT_EXIT:
+            previous(self.received, None)
 
     def _record(self, number, frame) -> None:
         self.received = number  # only this: the loop acts at its next step boundary

@@ -101,8 +101,17 @@ def _imagefolder_overrides(path: str, image_size: int) -> List[str]:
     return [f"data.path={path}", f"data.num_classes={len(classes)}", f"data.input_size={image_size}"]
 
 
+class RunStopped(Exception):
+    """A stop signal ended a run's training with a checkpoint: the comparison starts no further run."""
+
+    def __init__(self, signal_name: str, run: str, step: int):
+        super().__init__(f"{signal_name} received: {run} stopped at step {step} with a checkpoint")
+        self.signal_name = signal_name
+
+
 def run_trainer(train, cfg) -> tuple:
-    """``(final_metrics, None)``, or ``(None, result)`` for a run that stopped on NaNs or at ``train.stop_at_step``."""
+    """``(final_metrics, None)``, or ``(None, result)`` for a run that stopped on NaNs or at ``train.stop_at_step``
+    (``{"stopped_at": step}``) or on a stop signal (``{"stopped_at": step, "signal": name}``)."""
     from common.logging import NonFiniteLossError
 
     try:
@@ -110,7 +119,7 @@ def run_trainer(train, cfg) -> tuple:
     except NonFiniteLossError as err:
         return None, {"error": str(err)}
     if "stopped_at" in final:
-        return None, {"stopped_at": final["stopped_at"]}
+        return None, {k: final[k] for k in ("stopped_at", "signal") if k in final}
     return final, None
 
 
@@ -226,7 +235,7 @@ def check_run_settings(run_dir: Path, opts, spec: Optional[RunSpec] = None) -> d
 
 def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:
     """Train, evaluate and diagnose one run; ``None`` if it stopped early (``train.stop_at_step``) and must go on,
-    or another process is running it."""
+    or another process is running it. Raises :class:`RunStopped` when a stop signal ended its training."""
     run_dir = runs_dir / spec.name
     done = run_dir / RESULT_FILE
     settings = check_run_settings(run_dir, opts, spec)
@@ -257,6 +266,8 @@ def _train_evaluate_diagnose(spec: RunSpec, run_dir: Path, settings: dict, opts)
     print(f"\n=== {spec.name} ===", flush=True)
     start = time.perf_counter()
     outcome = train_fn(spec, run_dir, opts)
+    if "signal" in outcome:
+        raise RunStopped(outcome["signal"], spec.name, outcome["stopped_at"])
     if "stopped_at" in outcome:
         return None
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []

@@ -10,7 +10,8 @@ Every run trains through the real trainer (``vision.train.train`` / ``diffusion.
 is evaluated by the real evaluator (Top-1 of ``vision.evaluate`` on the held-out split; for DiT, samples from
 ``diffusion.sample`` scored by ``diffusion.fid`` with the Fashion-MNIST classifier features), and is diagnosed with
 ``common.diagnostics`` (``comparison.diagnose``). A finished run leaves ``result.json`` and is not redone; an unfinished one continues
-from its last training checkpoint. ``OUT/report.md`` (``--report`` elsewhere) gets: mean +- std over seeds,
+from its last training checkpoint. A stop signal (SIGTERM, SIGUSR1) checkpoints the run in training and ends the
+command with exit 4 before the next run starts. ``OUT/report.md`` (``--report`` elsewhere) gets: mean +- std over seeds,
 paired differences to Pre-Norm, diverged runs (non-finite loss, or a loss that ends above its first logged
 value) and the step it happened, loss curves, the diagnostic plots, and a check of the paper's four claims.
 """
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from common.cli import InputError, one_line_errors
 from comparison.report import METRIC, write_objectives_report, write_report
-from comparison.runs import DEFAULT_OBJECTIVE, RESULT_FILE, TASKS, RunSpec, check_run_settings, run_one
+from comparison.runs import (DEFAULT_OBJECTIVE, RESULT_FILE, TASKS, RunSpec, RunStopped, check_run_settings,
+                             run_one)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,13 +198,36 @@ def reused_runs(reuse: Optional[dict], results: Sequence[dict], opts) -> tuple:
                     f"{check['depth']} seed {check['seed']}, gets the same {metric} to four decimals ({described}).")
 
 
+def train_runs(specs: Sequence[RunSpec], runs_dir: Path, opts) -> None:
+    """Every unfinished run of ``specs``, in turn. A stop signal (SIGTERM or SIGUSR1, as a scheduler sends before it
+    kills a job) checkpoints the run in training and starts no further run: the command ends with exit 4, as a
+    trainer does, and the same command continues. A signal that comes while a run is evaluated or diagnosed lets that
+    run finish first."""
+    from common.preemption import EXIT_PREEMPTED, STOP_SIGNALS, StopRequests
+
+    stop = StopRequests(STOP_SIGNALS).install()  # the trainer's own handler takes over while a run trains
+    try:
+        for spec in specs:
+            run_one(spec, runs_dir, opts)
+            if stop.received:
+                break
+        stopped = signal.Signals(stop.received).name if stop.received else None
+    except RunStopped as err:
+        stopped = err.signal_name
+    finally:
+        stop.restore()
+    if stopped:
+        print(f"{stopped} received: the comparison stopped; run the same command to continue (exit {EXIT_PREEMPTED})",
+              flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+
 def _compare(opts, argv) -> Path:
     import vision  # noqa: F401  (registers the DeiT topologies with timm)
 
     runs_dir = opts.out / "runs"
     specs = run_specs(opts)
-    for spec in [] if opts.report_only else specs[opts.shard_index::opts.shard_count]:
-        run_one(spec, runs_dir, opts)
+    train_runs(specs[opts.shard_index::opts.shard_count] if not opts.report_only else [], runs_dir, opts)
     results, pending = [], []
     for spec in specs:  # every run of the list, whichever process (shard) trained it
         done = runs_dir / spec.name / RESULT_FILE

@@ -111,6 +111,29 @@ def test_ranks_draw_their_own_randomness(references):
     assert not torch.equal(rng[0]["numpy"]["keys"], rng[1]["numpy"]["keys"])
 
 
+def test_a_stop_signal_passes_between_a_comparison_and_the_run_it_trains():
+    """``scripts.compare`` records stop signals between runs and each trainer records its own: a signal the run
+    received reaches the comparison when the run ends, and one the comparison holds stops a run started after it at
+    its first step."""
+    from common.preemption import StopRequests
+
+    before = signal.getsignal(signal.SIGUSR1)
+    comparison = StopRequests(["SIGUSR1"]).install()
+    run = StopRequests(["SIGUSR1"]).install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal during the run (e.g. after its last step, which ignores it)
+        assert run.received == signal.SIGUSR1 and comparison.received is None
+        run.restore()
+        assert comparison.received == signal.SIGUSR1  # passed on: the comparison starts no further run
+        late = StopRequests(["SIGUSR1"]).install()
+        assert late.received == signal.SIGUSR1  # a run started anyway stops at its first step
+        late.restore()
+    finally:
+        run.restore()
+        comparison.restore()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
 def test_time_based_checkpoints(tmp_path):
     from common.train_state import CheckpointManager
     from vision import train as deit_train

@@ -112,6 +112,42 @@ def test_an_interrupted_comparison_resumes(finished, tmp_path):
 
 
 @pytest.mark.fashion_mnist
+def test_a_stop_signal_ends_the_comparison_with_exit_4_and_the_same_command_continues(finished, tmp_path):
+    """A real SIGTERM, as a scheduler sends before it kills the job: the run in training checkpoints, no further run
+    starts, the command exits 4 (what train.sbatch requeues on); a signal after a run's last step lets that run
+    finish (evaluation, result.json) and then stops the same way."""
+    import subprocess
+    import sys
+
+    from common.train_state import CheckpointManager
+    from scripts.compare import ROOT
+
+    args = TINY + ["--topologies", "pre", "siamese", "--lrs", "1e-3", "--seeds", "0", "--out", str(tmp_path)]
+    pre, siamese = tmp_path / "runs" / "pre_d2_lr0.001_s0", tmp_path / "runs" / "siamese_d2_lr0.001_s0"
+
+    def signalled_at(nth):  # SIGTERM to itself after the process's nth optimizer step
+        return subprocess.run([sys.executable, "-m", "tests.faults", "sigterm", str(nth), "--", "-m", "scripts.compare",
+                               *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    first = signalled_at(4)  # at a logging step: the resumed run's logged losses are those of an uninterrupted one
+    assert first.returncode == 4, first.stderr[-3000:]
+    assert "SIGTERM received: the comparison stopped; run the same command to continue (exit 4)" in first.stdout
+    assert CheckpointManager(pre / "checkpoints").steps() == [4] and not (pre / "result.json").exists()
+    assert not siamese.exists()  # the next run did not start
+
+    second = signalled_at(4)  # pre resumes at step 4: its 4th step here is its last, where the run ignores a signal
+    assert second.returncode == 4, second.stderr[-3000:]
+    assert (pre / "result.json").exists() and not siamese.exists()
+
+    report = main(args)  # the same command, left alone, finishes the comparison
+    assert "2 finished runs." in report.read_text()
+    for run in (pre, siamese):
+        resumed = json.loads((run / "result.json").read_text())
+        uninterrupted = json.loads((finished[0] / "runs" / run.name / "result.json").read_text())
+        assert resumed["top1"] == uninterrupted["top1"] and resumed["loss_curve"] == uninterrupted["loss_curve"]
+
+
+@pytest.mark.fashion_mnist
 def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     import torch
 
