@@ -195,6 +195,17 @@ class Task:
         return {"step": step}
 
 
+def resumed_log_window(saved: Optional[list], rank: int, world: int, size: int) -> Optional[List[float]]:
+    """This rank's log-window sums from a checkpoint's ``log_window`` (one list per rank), so a run stopped between
+    two log records logs the same means as one never stopped. Under another number of processes rank 0 takes the
+    total (the logged means stay means over every step and process); None for a checkpoint without it."""
+    if not saved or any(len(sums) != size for sums in saved):
+        return None
+    if len(saved) == world:
+        return saved[rank]
+    return [sum(column) for column in zip(*saved)] if rank == 0 else None
+
+
 class LogWindow:
     """The steps since the last log record, summed on the device (finite steps, loss, gradient norm, the task's
     loss parts) and timed on the host; read once per logging step, which is then the only host sync."""
@@ -365,6 +376,7 @@ class Trainer:
     def _resume(self) -> Tuple[int, Optional[dict]]:
         """The step to continue from and what changed, after checking the checkpoint against the settings."""
         run = self.run
+        self.resumed_window = None
         if run.resume is None or str(run.resume).lower() in ("", "none", "null", "false"):
             if self.ckpts.steps():
                 raise ResumeError(
@@ -411,6 +423,8 @@ class Trainer:
             raise ResumeError(f"{path} was trained on {saved['num_samples']} samples x{saved['repeats']} repeats, this "
                               f"run has {self.sampler.num_samples} x{self.sampler.repeats}: the data changed")
         restore_process_rng(state["rng"], self.rank, self.world, path)
+        self.resumed_window = resumed_log_window(state.get("log_window"), self.rank, self.world,
+                                                 3 + len(self.task.loss_parts))
         return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()}}
 
     # -------------------------------------------------------------------------------------------- run
@@ -440,6 +454,8 @@ class Trainer:
             self.scheduler.step_update(step)
         self.bar = progress_bar(accelerator, self.total_steps, initial=step)
         self.window = LogWindow(self.task.loss_parts, accelerator.device)
+        if self.resumed_window is not None:  # the steps since the last log record, before the stop
+            self.window.sums.copy_(torch.tensor(self.resumed_window))
         self.last_record: dict = {}
         self.last_saved = step
         self.stop.checkpoint_written()  # ckpt_every_minutes counts from the start of training
@@ -574,7 +590,7 @@ class Trainer:
             self.accelerator.print(f"step {self.step}: no checkpoint during a streak of non-finite steps; the newest "
                                    f"one stays step {self.last_saved}")
             return
-        rng = gather_objects(self.accelerator, capture_rng_state())
+        rng, window = zip(*gather_objects(self.accelerator, (capture_rng_state(), self.window.sums.tolist())))
         if self.accelerator.is_main_process:
             epoch, done = divmod(self.step, self.steps_per_epoch)
             self.ckpts.save({
@@ -582,7 +598,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "step": self.step, "epoch": epoch,
                 "sampler": {**self.sampler.state_dict(), "epoch": epoch,
                             "start": done * self.samples_per_step * self.world},
-                "rng": rng, "nonfinite": self.guard.state_dict(), "world_size": self.world,
+                "rng": list(rng), "log_window": list(window), "nonfinite": self.guard.state_dict(), "world_size": self.world,
                 "config": config_to_dict(self.cfg), "hooks_pending": hooks_pending,
             }, self.step)
             if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint

@@ -129,13 +129,13 @@ def test_a_stop_signal_ends_the_comparison_with_exit_4_and_the_same_command_cont
         return subprocess.run([sys.executable, "-m", "tests.faults", "sigterm", str(nth), "--", "-m", "scripts.compare",
                                *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
-    first = signalled_at(4)  # at a logging step: the resumed run's logged losses are those of an uninterrupted one
+    first = signalled_at(3)  # between two log records (every 2 steps): the checkpoint carries step 3's sums
     assert first.returncode == 4, first.stderr[-3000:]
     assert "SIGTERM received: the comparison stopped; run the same command to continue (exit 4)" in first.stdout
-    assert CheckpointManager(pre / "checkpoints").steps() == [4] and not (pre / "result.json").exists()
+    assert CheckpointManager(pre / "checkpoints").steps() == [3] and not (pre / "result.json").exists()
     assert not siamese.exists()  # the next run did not start
 
-    second = signalled_at(4)  # pre resumes at step 4: its 4th step here is its last, where the run ignores a signal
+    second = signalled_at(5)  # pre resumes at step 3: its 5th step here is its last, where the run ignores a signal
     assert second.returncode == 4, second.stderr[-3000:]
     assert (pre / "result.json").exists() and not siamese.exists()
 
@@ -145,6 +145,7 @@ def test_a_stop_signal_ends_the_comparison_with_exit_4_and_the_same_command_cont
         resumed = json.loads((run / "result.json").read_text())
         uninterrupted = json.loads((finished[0] / "runs" / run.name / "result.json").read_text())
         assert resumed["top1"] == uninterrupted["top1"] and resumed["loss_curve"] == uninterrupted["loss_curve"]
+    assert [step for step, _ in resumed["loss_curve"]] == [2, 4, 6, 8]
 
 
 @pytest.mark.fashion_mnist

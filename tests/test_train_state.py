@@ -128,3 +128,13 @@ def test_a_forked_child_does_not_keep_a_run_locked(tmp_path):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_resumed_log_window_is_each_ranks_or_under_another_world_the_total_on_rank_0():
+    from common.trainer import resumed_log_window
+
+    saved = [[2.0, 4.5, 1.0, 0.5], [2.0, 3.5, 3.0, 0.25]]  # per rank: finite steps, loss, grad norm, a loss part
+    assert resumed_log_window(saved, 1, 2, 4) == saved[1]
+    assert resumed_log_window(saved, 0, 1, 4) == [4.0, 8.0, 4.0, 0.75]  # one process now: it holds both ranks' sums
+    assert resumed_log_window(saved, 2, 3, 4) is None  # three now: rank 0 holds the total, the others start at zero
+    assert resumed_log_window(None, 0, 1, 4) is None and resumed_log_window(saved, 0, 2, 3) is None  # none, or other parts
