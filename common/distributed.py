@@ -136,6 +136,14 @@ def gather_objects(accelerator, obj: Any) -> List[Any]:
     return out
 
 
+def cpu_group(world: int):
+    """A gloo group for host-side agreement (stop signals) that never waits for a GPU; None with one process or when
+    the default group is gloo already. Every process must call it (it creates a group)."""
+    if world == 1 or torch.distributed.get_backend() == "gloo":
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
 def check_divisible(global_batch: int, world_size: int, grad_accum: int = 1) -> int:
     """Per-process micro-batch size for a global batch; a clear error when it does not divide."""
     denom = world_size * grad_accum

@@ -39,8 +39,8 @@ from common.cli import InputError, one_line_errors, process_rank
 from common.config import (ConfigError, Range, check_registered, config_from_cli, config_to_dict, flatten, save_config,
                            schema_defaults)
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
-from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, gather_objects,
-                                rank_seed, seed_everything, use_fast_cuda_kernels)
+from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, cpu_group,
+                                gather_objects, rank_seed, seed_everything, use_fast_cuda_kernels)
 from common.durable import atomic_write_text
 from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
 from common.preemption import (EXIT_PAUSED, EXIT_PREEMPTED, STOP_SIGNALS, StopRequests, ignore_stop_signals_at_exit,
@@ -334,7 +334,7 @@ class Trainer:
         # From here to the end of the process a stop signal is recorded, never fatal: before the first step it is
         # acted on there, after the last one it changes nothing (the run's exit status stands).
         self.stop = StopRequests(run.stop_signals, run.ckpt_every_minutes, run.stop_check_every,
-                                 group=self._cpu_group(), world=self.world, rank=self.rank).install()
+                                 group=cpu_group(self.world), world=self.world, rank=self.rank).install()
         try:
             return self._fit()
         finally:
@@ -472,13 +472,6 @@ class Trainer:
         finally:
             self.bar.close()
             self.logger.close()
-
-    def _cpu_group(self):
-        """A gloo group for host-side agreement (stop signals) that never waits for a GPU; None with one process
-        or when the default group is gloo already."""
-        if self.world == 1 or torch.distributed.get_backend() == "gloo":
-            return None
-        return torch.distributed.new_group(backend="gloo")
 
     def _train(self) -> Optional[dict]:
         accelerator, run = self.accelerator, self.run

@@ -55,9 +55,10 @@ import torch
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
 from common.distributed import use_fast_cuda_kernels
+from common.preemption import EXIT_PREEMPTED, STOP_SIGNALS, ignore_stop_signals_at_exit
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
-                                class_names, sampling_objective, write_grid, write_sample_set)
+                                SamplingStopped, class_names, sampling_objective, write_grid, write_sample_set)
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
 # diffusion.models imports timm: it is imported once the command line is checked (a --model or --topology is
@@ -125,7 +126,7 @@ def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
                 "batch_size": args.batch_size}
     formats = {"npz": ("npz",), "png": ("png",), "both": ("npz", "png")}[args.format]
     return write_sample_set(sampler, args.out_dir, args.num_samples, args.batch_size, settings, state, formats,
-                            progress=not args.quiet)
+                            progress=not args.quiet, stop_signals=args.stop_signals)
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -257,7 +258,12 @@ def build_objective(args, spec):
 
 
 def main(argv=None) -> Optional[dict]:
+    """``argv=None`` reads the process's own command line: a stop signal (SIGTERM, SIGUSR1) then ends a sample set
+    after its current round of chunks with exit 4, which a job script requeues on, and the same command continues."""
     args = parse_args(argv)
+    args.stop_signals = STOP_SIGNALS if argv is None else ()
+    if argv is None:
+        ignore_stop_signals_at_exit()  # once the set is complete a late signal changes nothing
     with one_line_errors(SamplingError):
         check_args(args)  # before anything heavy is imported or loaded
         from accelerate import PartialState
@@ -284,7 +290,12 @@ def main(argv=None) -> Optional[dict]:
         if args.grid is not None:
             result = run_grid(args, sampler) if state.is_main_process else None
         else:
-            result = run_num_samples(args, sampler, state)
+            try:
+                result = run_num_samples(args, sampler, state)
+            except SamplingStopped as stopped:
+                if state.is_main_process:
+                    print(f"{stopped}; run the same command to continue (exit {EXIT_PREEMPTED})", flush=True)
+                raise SystemExit(EXIT_PREEMPTED) from None
     if result is not None and not args.quiet:
         print(json.dumps(result, indent=2, default=str))
     return result

@@ -16,6 +16,8 @@ Other faults at the same seams (the process does not kill itself):
   right after it handed its stop signals back: a scheduler's signal that arrives while a finished run shuts down;
 * ``sigterm``     -- a real SIGTERM to itself at the nth optimizer step, as a scheduler preempts a job (only in a
   process whose command line contains ``$FAULT_ARGV`` when that is set: one job of a study);
+* ``sigterm_chunk`` -- a real SIGTERM to itself after its nth sample chunk is written (``diffusion.sample``; only
+  on rank ``$FAULT_RANK`` when that is set: a signal one process of several gets);
 * ``bug``         -- a plain ``ValueError`` (a bug, not bad input) raised in an optimizer step;
 * ``rank1_input`` -- an input error that only rank 1 meets, while building the run.
 
@@ -30,7 +32,7 @@ import signal
 import sys
 
 POINTS = ("ckpt_write", "ckpt_done", "weights", "step", "final")  # kill points
-OTHER_FAULTS = ("sigterm_at_shutdown", "sigterm", "bug", "rank1_input")
+OTHER_FAULTS = ("sigterm_at_shutdown", "sigterm", "sigterm_chunk", "bug", "rank1_input")
 
 
 def die():
@@ -119,6 +121,17 @@ def install(point: str, nth: int) -> None:
             return result
 
         trainer.Trainer.train_step = train_step_then_signal
+    elif point == "sigterm_chunk":
+        from diffusion import sampler
+
+        original_savez = sampler.atomic_savez
+
+        def savez_then_signal(*args, **kwargs):
+            original_savez(*args, **kwargs)
+            if os.environ.get("FAULT_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0") and hit():
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        sampler.atomic_savez = savez_then_signal
     elif point == "bug":
         original_step = trainer.Trainer.train_step
 

@@ -251,6 +251,28 @@ def test_two_processes_give_the_same_exact_balanced_set_and_runs_resume(tiny, tm
         main(sample_args(tiny, tmp_path / "one", "--cfg-scale", "2"))
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_stop_signal_ends_a_sample_set_with_exit_4_and_the_same_command_finishes_it(tiny, tmp_path, nproc):
+    """A real SIGTERM after a process's first chunk (with two processes, to rank 0 only, as a signal one task of a
+    job gets): every process stops after the same round of chunks, exit 4 (what train.sbatch requeues on); the same
+    command then writes the set an uninterrupted run writes."""
+    reference = main(sample_args(tiny, tmp_path / "reference", "--batch-size", "2"))  # 5 chunks
+    out = tmp_path / "stopped"
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563"] if nproc == 2 else []
+    cmd = [sys.executable, *launcher, "-m", "tests.faults", "sigterm_chunk", "1", "--", "-m", "diffusion.sample",
+           *sample_args(tiny, out, "--batch-size", "2")]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "FAULT_RANK": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert "SIGTERM received: stopped with" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    if nproc == 1:
+        assert proc.returncode == 4, proc.stderr[-3000:]  # torchrun reports its workers' 4 as its own failure
+    chunks = sorted(p.name for p in (out / "chunks").glob("chunk_*.npz"))
+    assert len(chunks) == nproc and not (out / "samples.npz").exists()  # one round: one chunk per process
+
+    main(sample_args(tiny, out, "--batch-size", "2"))
+    np.testing.assert_array_equal(np.load(out / "samples.npz")["arr_0"], np.load(reference["outputs"]["npz"])["arr_0"])
+
+
 def test_grid_through_a_tiny_vae_and_clear_errors(tmp_path):
     from diffusers import AutoencoderKL
     from PIL import Image
