@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -107,3 +107,31 @@ class StopRequests:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
         number, due = (int(v) for v in flags)
         return (signal.Signals(number).name if number else None), bool(due)
+
+
+class WorkStopped(Exception):
+    """A stop signal ended a command that works in rounds (sample chunks, latent shards) between two rounds: what
+    the finished rounds wrote stays, and the same command continues."""
+
+    def __init__(self, signal_name: str, done: int, rounds: int):
+        super().__init__(f"{signal_name} received: stopped after {done} of {rounds} rounds")
+        self.signal_name, self.done, self.rounds = signal_name, done, rounds
+
+
+def stoppable_rounds(rounds: int, signals: Sequence[str], world: int = 1, rank: int = 0) -> Iterator[int]:
+    """``0 .. rounds - 1``: the rounds of a command in which each process does one unit of work per round. With
+    ``signals`` (a command line's :data:`STOP_SIGNALS`), the processes agree after every round, over a gloo group, whether
+    one received a stop signal; if so all raise :class:`WorkStopped` before the next round. A signal during the last
+    round changes nothing."""
+    from common.distributed import cpu_group
+
+    stop = StopRequests(signals, group=cpu_group(world) if signals else None, world=world, rank=rank).install()
+    try:
+        for round_ in range(rounds):
+            yield round_
+            if signals:
+                signalled, _ = stop.agree(round_)
+                if signalled and round_ < rounds - 1:
+                    raise WorkStopped(signalled, round_ + 1, rounds)
+    finally:
+        stop.restore()

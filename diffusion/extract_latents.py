@@ -23,10 +23,12 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from common.checkpoint import weights_fingerprint
-from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
+from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors, process_rank
 from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
 from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_write_text
+from common.preemption import (EXIT_PREEMPTED, STOP_SIGNALS, WorkStopped, ignore_stop_signals_at_exit,
+                               stoppable_rounds)
 from diffusion.latents import (
     DEFAULT_VAE,
     FORMAT,
@@ -200,7 +202,10 @@ def extract(args) -> dict:
         total=sum(min(args.shard_size, len(files) - k * args.shard_size) for k in todo),
         desc=f"encode[{rank}]", unit="img", disable=not accelerator.is_local_main_process, dynamic_ncols=True,
     )
-    for k in todo:
+    for round_ in stoppable_rounds(math.ceil(num_shards / world), args.stop_signals, world, rank):
+        k = round_ * world + rank
+        if k not in todo:
+            continue
         subset = Subset(files, range(k * args.shard_size, min((k + 1) * args.shard_size, len(files))))
         loader = DataLoader(subset, batch_size=args.batch_size, num_workers=resolve_num_workers(args.num_workers),
                             collate_fn=collate)
@@ -236,10 +241,21 @@ def extract(args) -> dict:
 
 
 def main(argv=None):
+    """``argv=None`` reads the process's own command line: a stop signal (SIGTERM, SIGUSR1) then ends the extraction
+    after its current round of shards with exit 4, which a job script requeues on, and the same command continues."""
     args = parse_args(argv)
+    args.stop_signals = STOP_SIGNALS if argv is None else ()
+    if argv is None:
+        ignore_stop_signals_at_exit()  # once every shard is written a late signal changes nothing
     use_fast_cuda_kernels()  # the VAE encoder's convolutions: cudnn's autotuner
     with one_line_errors(ExtractionError):
-        return extract(args)
+        try:
+            return extract(args)
+        except WorkStopped as stopped:
+            if process_rank() == 0:
+                print(f"{stopped} of shards; the shards written stay: run the same command to continue (exit "
+                      f"{EXIT_PREEMPTED})", flush=True)
+            raise SystemExit(EXIT_PREEMPTED) from None
 
 
 if __name__ == "__main__":

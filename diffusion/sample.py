@@ -55,10 +55,10 @@ import torch
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
 from common.distributed import use_fast_cuda_kernels
-from common.preemption import EXIT_PREEMPTED, STOP_SIGNALS, ignore_stop_signals_at_exit
+from common.preemption import EXIT_PREEMPTED, STOP_SIGNALS, WorkStopped, ignore_stop_signals_at_exit
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
-                                SamplingStopped, class_names, sampling_objective, write_grid, write_sample_set)
+                                class_names, sampling_objective, write_grid, write_sample_set)
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
 # diffusion.models imports timm: it is imported once the command line is checked (a --model or --topology is
@@ -292,9 +292,10 @@ def main(argv=None) -> Optional[dict]:
         else:
             try:
                 result = run_num_samples(args, sampler, state)
-            except SamplingStopped as stopped:
+            except WorkStopped as stopped:
                 if state.is_main_process:
-                    print(f"{stopped}; run the same command to continue (exit {EXIT_PREEMPTED})", flush=True)
+                    print(f"{stopped} of chunks; the chunks written stay: run the same command to continue (exit "
+                          f"{EXIT_PREEMPTED})", flush=True)
                 raise SystemExit(EXIT_PREEMPTED) from None
     if result is not None and not args.quiet:
         print(json.dumps(result, indent=2, default=str))

@@ -50,14 +50,6 @@ class SamplingError(InputError):
     """Options or checkpoints that cannot give the requested samples."""
 
 
-class SamplingStopped(Exception):
-    """A stop signal ended a sample set after a round of chunks; the finished chunks stay and a rerun continues."""
-
-    def __init__(self, signal_name: str, written: int, total: int):
-        super().__init__(f"{signal_name} received: stopped with {written} of {total} chunks written")
-        self.signal_name = signal_name
-
-
 # ------------------------------------------------------------------------------------------ noise and labels
 
 _SEED_MASK = 0xFFFFFFFF
@@ -596,12 +588,11 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
 
     ``settings`` (what makes the set, :meth:`Sampler.settings` plus the caller's) go to ``settings.json``; a rerun
     with the same settings only samples the chunks still missing, one with other settings is refused.
-    ``stop_signals`` (a command line's: SIGTERM, SIGUSR1): after each round of one chunk per process the processes
-    agree whether one received a signal, and all raise :class:`SamplingStopped` together, their chunks written.
+    ``stop_signals`` (a command line's: SIGTERM, SIGUSR1): the processes stop together after a round of one chunk
+    each (:func:`common.preemption.stoppable_rounds`, which raises ``WorkStopped``), their chunks written.
     Returns ``{"outputs", "protocol"}`` on the main process, None on the others.
     """
-    from common.distributed import cpu_group
-    from common.preemption import StopRequests
+    from common.preemption import stoppable_rounds
 
     out_dir = Path(out_dir)
     check_resume(out_dir, settings)
@@ -613,15 +604,11 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
 
     world, rank = state.num_processes, state.process_index
     num_chunks = math.ceil(num_samples / batch_size)
-    rounds = math.ceil(num_chunks / world)  # the same count on every process: each round ends in one agreement
     todo = {k for k in range(rank, num_chunks, world) if not chunk_path(out_dir, k).exists()}
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(todo), desc=f"chunks (process {rank})", disable=not state.is_main_process or not progress)
-    stop = StopRequests(stop_signals, group=cpu_group(world) if stop_signals else None, world=world, rank=rank)
-    stop.install()
-    try:
-        for round_ in range(rounds):
+    with tqdm(total=len(todo), desc=f"chunks (process {rank})", disable=not state.is_main_process or not progress) as bar:
+        for round_ in stoppable_rounds(math.ceil(num_chunks / world), stop_signals, world, rank):
             k = round_ * world + rank
             if k in todo:
                 indices = torch.arange(k * batch_size, min((k + 1) * batch_size, num_samples))
@@ -629,14 +616,6 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
                 images = sampler(indices, labels).permute(0, 2, 3, 1).numpy()  # NHWC, as ADM stores them
                 atomic_savez(chunk_path(out_dir, k), images=images, labels=labels.numpy(), indices=indices.numpy())
                 bar.update(1)
-            if stop_signals:
-                signalled, _ = stop.agree(round_)
-                if signalled and round_ < rounds - 1:
-                    written = sum(chunk_path(out_dir, c).exists() for c in range(num_chunks))
-                    raise SamplingStopped(signalled, written, num_chunks)
-    finally:
-        bar.close()
-        stop.restore()
     state.wait_for_everyone()
     if not state.is_main_process:
         return None

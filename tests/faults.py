@@ -16,8 +16,8 @@ Other faults at the same seams (the process does not kill itself):
   right after it handed its stop signals back: a scheduler's signal that arrives while a finished run shuts down;
 * ``sigterm``     -- a real SIGTERM to itself at the nth optimizer step, as a scheduler preempts a job (only in a
   process whose command line contains ``$FAULT_ARGV`` when that is set: one job of a study);
-* ``sigterm_chunk`` -- a real SIGTERM to itself after its nth sample chunk is written (``diffusion.sample``; only
-  on rank ``$FAULT_RANK`` when that is set: a signal one process of several gets);
+* ``sigterm_output`` -- a real SIGTERM to itself after it wrote its nth output of a round (a ``diffusion.sample``
+  chunk, a ``diffusion.extract_latents`` shard; only on rank ``$FAULT_RANK`` when that is set: one process of several);
 * ``bug``         -- a plain ``ValueError`` (a bug, not bad input) raised in an optimizer step;
 * ``rank1_input`` -- an input error that only rank 1 meets, while building the run.
 
@@ -32,7 +32,7 @@ import signal
 import sys
 
 POINTS = ("ckpt_write", "ckpt_done", "weights", "step", "final")  # kill points
-OTHER_FAULTS = ("sigterm_at_shutdown", "sigterm", "sigterm_chunk", "bug", "rank1_input")
+OTHER_FAULTS = ("sigterm_at_shutdown", "sigterm", "sigterm_output", "bug", "rank1_input")
 
 
 def die():
@@ -121,17 +121,21 @@ def install(point: str, nth: int) -> None:
             return result
 
         trainer.Trainer.train_step = train_step_then_signal
-    elif point == "sigterm_chunk":
-        from diffusion import sampler
+    elif point == "sigterm_output":
+        from diffusion import latents, sampler
 
-        original_savez = sampler.atomic_savez
+        def then_signal(write):
+            def wrapper(*args, **kwargs):
+                result = write(*args, **kwargs)
+                rank = os.environ.get("RANK", "0")
+                if os.environ.get("FAULT_RANK", rank) == rank and hit():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return result
 
-        def savez_then_signal(*args, **kwargs):
-            original_savez(*args, **kwargs)
-            if os.environ.get("FAULT_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0") and hit():
-                os.kill(os.getpid(), signal.SIGTERM)
+            return wrapper
 
-        sampler.atomic_savez = savez_then_signal
+        sampler.atomic_savez = then_signal(sampler.atomic_savez)
+        latents.write_shard = then_signal(latents.write_shard)  # before extract_latents imports it
     elif point == "bug":
         original_step = trainer.Trainer.train_step
 

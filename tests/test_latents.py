@@ -92,6 +92,31 @@ def test_shard_resume_recomputes_only_missing_shards(setup, tmp_path):
         run(setup, out, "--dtype", "float32")
 
 
+def test_a_stop_signal_ends_the_extraction_with_exit_4_after_a_shard_and_the_same_command_finishes_it(setup, tmp_path):
+    """A real SIGTERM after the first shard is written (as a scheduler sends before its kill): exit 4, which
+    train.sbatch requeues on, that shard kept; the same command writes the shards an uninterrupted run writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--data-path", str(setup / "images"), "--vae", str(setup / "vae"), "--image-size", "32",
+            "--shard-size", "3", "--batch-size", "2", "--num-workers", "0"]
+    reference, out = tmp_path / "reference", tmp_path / "stopped"
+    run(setup, reference)
+    proc = subprocess.run([sys.executable, "-m", "tests.faults", "sigterm_output", "1", "--", "-m",
+                           "diffusion.extract_latents", *args, "--out", str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "SIGTERM received: stopped after 1 of 3 rounds of shards" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [shard_name(0)]  # no metadata.json: not a finished set
+
+    run(setup, out)
+    for k in range(3):
+        a, b = load_file(out / shard_name(k)), load_file(reference / shard_name(k))
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
 def test_missing_vae_and_bad_folder_errors(setup, tmp_path):
     with pytest.raises(VAENotFoundError, match="--vae DIR"):
         load_vae(str(tmp_path / "no-such-vae"))
