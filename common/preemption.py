@@ -120,9 +120,9 @@ class WorkStopped(Exception):
 
 def stoppable_rounds(rounds: int, signals: Sequence[str], world: int = 1, rank: int = 0) -> Iterator[int]:
     """``0 .. rounds - 1``: the rounds of a command in which each process does one unit of work per round. With
-    ``signals`` (a command line's :data:`STOP_SIGNALS`), the processes agree after every round, over a gloo group, whether
-    one received a stop signal; if so all raise :class:`WorkStopped` before the next round. A signal during the last
-    round changes nothing."""
+    ``signals`` (a command line's :data:`STOP_SIGNALS`), the processes agree after every round, over a gloo group,
+    whether one received a stop signal; if so all raise :class:`WorkStopped` before the next round. A signal during
+    the last round changes nothing."""
     from common.distributed import cpu_group
 
     stop = StopRequests(signals, group=cpu_group(world) if signals else None, world=world, rank=rank).install()

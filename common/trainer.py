@@ -591,7 +591,8 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "step": self.step, "epoch": epoch,
                 "sampler": {**self.sampler.state_dict(), "epoch": epoch,
                             "start": done * self.samples_per_step * self.world},
-                "rng": list(rng), "log_window": list(window), "nonfinite": self.guard.state_dict(), "world_size": self.world,
+                "rng": list(rng), "log_window": list(window), "nonfinite": self.guard.state_dict(),
+                "world_size": self.world,
                 "config": config_to_dict(self.cfg), "hooks_pending": hooks_pending,
             }, self.step)
             if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint

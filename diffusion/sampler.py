@@ -607,7 +607,8 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
     todo = {k for k in range(rank, num_chunks, world) if not chunk_path(out_dir, k).exists()}
     from tqdm.auto import tqdm
 
-    with tqdm(total=len(todo), desc=f"chunks (process {rank})", disable=not state.is_main_process or not progress) as bar:
+    quiet = not state.is_main_process or not progress
+    with tqdm(total=len(todo), desc=f"chunks (process {rank})", disable=quiet) as bar:
         for round_ in stoppable_rounds(math.ceil(num_chunks / world), stop_signals, world, rank):
             k = round_ * world + rank
             if k in todo:

@@ -121,7 +121,7 @@ def test_a_stop_signal_passes_between_a_comparison_and_the_run_it_trains():
     comparison = StopRequests(["SIGUSR1"]).install()
     run = StopRequests(["SIGUSR1"]).install()
     try:
-        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal during the run (e.g. after its last step, which ignores it)
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal during the run (e.g. after its last step)
         assert run.received == signal.SIGUSR1 and comparison.received is None
         run.restore()
         assert comparison.received == signal.SIGUSR1  # passed on: the comparison starts no further run

@@ -137,4 +137,5 @@ def test_a_resumed_log_window_is_each_ranks_or_under_another_world_the_total_on_
     assert resumed_log_window(saved, 1, 2, 4) == saved[1]
     assert resumed_log_window(saved, 0, 1, 4) == [4.0, 8.0, 4.0, 0.75]  # one process now: it holds both ranks' sums
     assert resumed_log_window(saved, 2, 3, 4) is None  # three now: rank 0 holds the total, the others start at zero
-    assert resumed_log_window(None, 0, 1, 4) is None and resumed_log_window(saved, 0, 2, 3) is None  # none, or other parts
+    assert resumed_log_window(None, 0, 1, 4) is None  # a checkpoint from before log windows were kept
+    assert resumed_log_window(saved, 0, 2, 3) is None  # other loss parts
