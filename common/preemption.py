@@ -18,13 +18,14 @@ script reads as a failure).
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from common.cli import InputError
+from common.cli import InputError, process_rank
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what SLURM, Kubernetes and spot instances send (``train.stop_signals``)
 
@@ -113,16 +114,17 @@ class WorkStopped(Exception):
     """A stop signal ended a command that works in rounds (sample chunks, latent shards) between two rounds: what
     the finished rounds wrote stays, and the same command continues."""
 
-    def __init__(self, signal_name: str, done: int, rounds: int):
-        super().__init__(f"{signal_name} received: stopped after {done} of {rounds} rounds")
-        self.signal_name, self.done, self.rounds = signal_name, done, rounds
+    def __init__(self, signal_name: str, done: int, rounds: int, unit: str):
+        super().__init__(f"{signal_name} received: stopped after {done} of {rounds} rounds of {unit}; the {unit} "
+                         f"written stay: run the same command to continue (exit {EXIT_PREEMPTED})")
 
 
-def stoppable_rounds(rounds: int, signals: Sequence[str], world: int = 1, rank: int = 0) -> Iterator[int]:
+def stoppable_rounds(rounds: int, signals: Sequence[str], world: int = 1, rank: int = 0,
+                     unit: str = "work") -> Iterator[int]:
     """``0 .. rounds - 1``: the rounds of a command in which each process does one unit of work per round. With
-    ``signals`` (a command line's :data:`STOP_SIGNALS`), the processes agree after every round, over a gloo group,
-    whether one received a stop signal; if so all raise :class:`WorkStopped` before the next round. A signal during
-    the last round changes nothing."""
+    ``signals`` (:func:`command_stop_signals`), the processes agree after every round, over a gloo group, whether
+    one received a stop signal; if so all raise :class:`WorkStopped` before the next round. A signal during the last
+    round changes nothing."""
     from common.distributed import cpu_group
 
     stop = StopRequests(signals, group=cpu_group(world) if signals else None, world=world, rank=rank).install()
@@ -132,6 +134,28 @@ def stoppable_rounds(rounds: int, signals: Sequence[str], world: int = 1, rank: 
             if signals:
                 signalled, _ = stop.agree(round_)
                 if signalled and round_ < rounds - 1:
-                    raise WorkStopped(signalled, round_ + 1, rounds)
+                    raise WorkStopped(signalled, round_ + 1, rounds, unit)
     finally:
         stop.restore()
+
+
+def command_stop_signals(argv) -> Tuple[str, ...]:
+    """The stop signals a command that works in rounds acts on: :data:`STOP_SIGNALS` when ``argv`` is None (the
+    process's own command line, which from then on ignores a signal that comes once its work is done), none for a
+    caller in the same process (``scripts.compare``, tests), whose own handling stays."""
+    if argv is not None:
+        return ()
+    ignore_stop_signals_at_exit()
+    return tuple(STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def exit_when_stopped():
+    """A :class:`WorkStopped` inside ends the process with :data:`EXIT_PREEMPTED`, which a job script requeues on;
+    rank 0 prints why."""
+    try:
+        yield
+    except WorkStopped as stopped:
+        if process_rank() == 0:
+            print(stopped, flush=True)
+        raise SystemExit(EXIT_PREEMPTED) from None

@@ -23,12 +23,11 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from common.checkpoint import weights_fingerprint
-from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors, process_rank
+from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
 from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
 from common.distributed import use_fast_cuda_kernels
 from common.durable import atomic_write_text
-from common.preemption import (EXIT_PREEMPTED, STOP_SIGNALS, WorkStopped, ignore_stop_signals_at_exit,
-                               stoppable_rounds)
+from common.preemption import command_stop_signals, exit_when_stopped, stoppable_rounds
 from diffusion.latents import (
     DEFAULT_VAE,
     FORMAT,
@@ -202,7 +201,7 @@ def extract(args) -> dict:
         total=sum(min(args.shard_size, len(files) - k * args.shard_size) for k in todo),
         desc=f"encode[{rank}]", unit="img", disable=not accelerator.is_local_main_process, dynamic_ncols=True,
     )
-    for round_ in stoppable_rounds(math.ceil(num_shards / world), args.stop_signals, world, rank):
+    for round_ in stoppable_rounds(math.ceil(num_shards / world), args.stop_signals, world, rank, unit="shards"):
         k = round_ * world + rank
         if k not in todo:
             continue
@@ -244,18 +243,10 @@ def main(argv=None):
     """``argv=None`` reads the process's own command line: a stop signal (SIGTERM, SIGUSR1) then ends the extraction
     after its current round of shards with exit 4, which a job script requeues on, and the same command continues."""
     args = parse_args(argv)
-    args.stop_signals = STOP_SIGNALS if argv is None else ()
-    if argv is None:
-        ignore_stop_signals_at_exit()  # once every shard is written a late signal changes nothing
+    args.stop_signals = command_stop_signals(argv)
     use_fast_cuda_kernels()  # the VAE encoder's convolutions: cudnn's autotuner
-    with one_line_errors(ExtractionError):
-        try:
-            return extract(args)
-        except WorkStopped as stopped:
-            if process_rank() == 0:
-                print(f"{stopped} of shards; the shards written stay: run the same command to continue (exit "
-                      f"{EXIT_PREEMPTED})", flush=True)
-            raise SystemExit(EXIT_PREEMPTED) from None
+    with one_line_errors(ExtractionError), exit_when_stopped():
+        return extract(args)
 
 
 if __name__ == "__main__":

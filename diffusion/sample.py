@@ -55,7 +55,7 @@ import torch
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
 from common.distributed import use_fast_cuda_kernels
-from common.preemption import EXIT_PREEMPTED, STOP_SIGNALS, WorkStopped, ignore_stop_signals_at_exit
+from common.preemption import command_stop_signals, exit_when_stopped
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
                                 class_names, sampling_objective, write_grid, write_sample_set)
@@ -261,10 +261,8 @@ def main(argv=None) -> Optional[dict]:
     """``argv=None`` reads the process's own command line: a stop signal (SIGTERM, SIGUSR1) then ends a sample set
     after its current round of chunks with exit 4, which a job script requeues on, and the same command continues."""
     args = parse_args(argv)
-    args.stop_signals = STOP_SIGNALS if argv is None else ()
-    if argv is None:
-        ignore_stop_signals_at_exit()  # once the set is complete a late signal changes nothing
-    with one_line_errors(SamplingError):
+    args.stop_signals = command_stop_signals(argv)
+    with one_line_errors(SamplingError), exit_when_stopped():
         check_args(args)  # before anything heavy is imported or loaded
         from accelerate import PartialState
 
@@ -290,13 +288,7 @@ def main(argv=None) -> Optional[dict]:
         if args.grid is not None:
             result = run_grid(args, sampler) if state.is_main_process else None
         else:
-            try:
-                result = run_num_samples(args, sampler, state)
-            except WorkStopped as stopped:
-                if state.is_main_process:
-                    print(f"{stopped} of chunks; the chunks written stay: run the same command to continue (exit "
-                          f"{EXIT_PREEMPTED})", flush=True)
-                raise SystemExit(EXIT_PREEMPTED) from None
+            result = run_num_samples(args, sampler, state)
     if result is not None and not args.quiet:
         print(json.dumps(result, indent=2, default=str))
     return result

@@ -30,6 +30,7 @@ from common.checkpoint import weights_fingerprint
 from common.cli import InputError
 from common.data import pad_batch
 from common.durable import atomic_savez, atomic_write, atomic_write_text
+from common.preemption import stoppable_rounds
 from diffusion.latents import load_vae
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, shift_times, times
 
@@ -592,8 +593,6 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
     each (:func:`common.preemption.stoppable_rounds`, which raises ``WorkStopped``), their chunks written.
     Returns ``{"outputs", "protocol"}`` on the main process, None on the others.
     """
-    from common.preemption import stoppable_rounds
-
     out_dir = Path(out_dir)
     check_resume(out_dir, settings)
     state.wait_for_everyone()
@@ -609,7 +608,7 @@ def write_sample_set(sampler: Sampler, out_dir, num_samples: int, batch_size: in
 
     quiet = not state.is_main_process or not progress
     with tqdm(total=len(todo), desc=f"chunks (process {rank})", disable=quiet) as bar:
-        for round_ in stoppable_rounds(math.ceil(num_chunks / world), stop_signals, world, rank):
+        for round_ in stoppable_rounds(math.ceil(num_chunks / world), stop_signals, world, rank, unit="chunks"):
             k = round_ * world + rank
             if k in todo:
                 indices = torch.arange(k * batch_size, min((k + 1) * batch_size, num_samples))
