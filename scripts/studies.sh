@@ -1,0 +1,136 @@
+#!/bin/bash
+# The pre-registered studies still in progress, run in the background across sittings and machines: each study's
+# finished runs travel in docs/results/<study>/carry/ (checkpoints are too large for git), so a fresh machine
+# continues where the last one stopped instead of starting over.
+#
+#   bash scripts/studies.sh restore   # code snapshot + .venv, each --out rebuilt from carry/ (what is there is kept)
+#   bash scripts/studies.sh start     # each study at the lowest priority, unless it runs already; logs beside
+#   bash scripts/studies.sh status    # finished runs per study, runs in progress and their newest checkpoint
+#   bash scripts/studies.sh carry     # each newly finished run's small files into docs/results/<study>/carry/
+#   bash scripts/studies.sh stop      # SIGTERM (a run in progress checkpoints), then end the processes; then carry
+#
+# STUDIES (default /work/studies) holds the runs; REV (default below) is the commit the studies run from: one
+# snapshot for a study's whole life, so every run computes with the same code; RESULTS: where carry/ is.
+set -euo pipefail
+STUDIES=${STUDIES:-/work/studies}
+REV=${REV:-737261e}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+CODE=$STUDIES/code_$REV
+RESULTS=${RESULTS:-$REPO/docs/results}  # carry/ lives here
+FLOW=$STUDIES/dit_flow  # dit_hc_attnres shares dit_flow's --out: their DDPM runs are the same folders
+
+# study -> its --out, its extra arguments, the runs it carries (a regex on the run folder's name)
+declare -A OUT=([deit_hc_attnres]=$STUDIES/deit_hc_attnres [dit_flow]=$FLOW [dit_hc_attnres]=$FLOW)
+declare -A ARGS=(
+  [deit_hc_attnres]=""
+  [dit_flow]="--feature-weights $FLOW/fmnist_cnn.safetensors --encoder-weights $FLOW/encoder/model.safetensors"
+  [dit_hc_attnres]="--feature-weights $FLOW/fmnist_cnn.safetensors")
+declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
+                [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_')
+ORDER=(deit_hc_attnres dit_flow dit_hc_attnres)
+
+main_pid() {  # the study's scripts.compare process, if it runs
+  pgrep -o -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
+}
+
+restore() {
+  if [ ! -x "$CODE/.venv/bin/python" ]; then
+    mkdir -p "$CODE"
+    git -C "$REPO" archive "$REV" | tar -x -C "$CODE"
+    python3 -m venv "$CODE/.venv"
+    "$CODE/.venv/bin/python" -m pip install -q -e "$CODE[test]"
+  fi
+  bash "$REPO/scripts/install_fashion_mnist.sh"
+  mkdir -p "$FLOW/encoder"
+  [ -f "$FLOW/fmnist_cnn.safetensors" ] || cp "$RESULTS/dit_flow/carry/fmnist_cnn.safetensors" "$FLOW/"
+  [ -f "$FLOW/encoder/model.safetensors" ] || cp "$RESULTS/dit_flow/carry/encoder/"* "$FLOW/encoder/"
+  for study in "${ORDER[@]}"; do
+    mkdir -p "${OUT[$study]}/runs"
+    for run in "$RESULTS/$study/carry/finished/"*/; do
+      [ -d "${OUT[$study]}/runs/$(basename "$run")" ] || cp -r "$run" "${OUT[$study]}/runs/"
+    done
+  done
+  status
+}
+
+start() {
+  [ -x "$CODE/.venv/bin/python" ] || { echo "no snapshot at $CODE: run \`bash scripts/studies.sh restore\` first"; exit 2; }
+  for study in "${ORDER[@]}"; do
+    if [ -n "$(main_pid "$study")" ]; then echo "$study runs already (pid $(main_pid "$study"))"; continue; fi
+    mkdir -p "$STUDIES/$study"
+    # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
+    setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $CODE && PYTHONPATH=$CODE OMP_NUM_THREADS=1 \
+      exec nice -n 19 .venv/bin/python -m scripts.compare --study $study --out ${OUT[$study]} ${ARGS[$study]} \
+      --report $STUDIES/$study/report" >> "$STUDIES/$study/study.log" 2>&1 < /dev/null &
+    echo "$study started; log $STUDIES/$study/study.log"
+  done
+}
+
+status() {
+  for study in "${ORDER[@]}"; do
+    local runs=${OUT[$study]}/runs finished=0 line=""
+    for run in "$runs"/*/; do
+      [ -d "$run" ] && basename "$run" | grep -qE "${OWN[$study]}" || continue
+      if [ -f "$run/result.json" ]; then finished=$((finished + 1)); continue; fi
+      local newest
+      newest=$(ls "$run/checkpoints" 2>/dev/null | tail -1 || true)
+      line+=" $(basename "$run")(${newest:-no checkpoint})"
+    done
+    echo "$study: $finished finished;${line:- nothing in progress}; $([ -n "$(main_pid "$study")" ] && echo running || echo stopped)"
+  done
+}
+
+carry() {
+  for study in "${ORDER[@]}"; do
+    for run in "${OUT[$study]}/runs/"*/; do
+      local name
+      name=$(basename "$run")
+      [ -f "$run/result.json" ] && echo "$name" | grep -qE "${OWN[$study]}" || continue
+      [ -d "$RESULTS/$study/carry/finished/$name" ] && continue
+      mkdir -p "$RESULTS/$study/carry/finished/$name"
+      for f in result.json compare_settings.json config.yaml diagnostics.json final_metrics.json; do
+        [ -f "$run/$f" ] && cp "$run/$f" "$RESULTS/$study/carry/finished/$name/"
+      done
+      echo "carried $study/$name"
+    done
+  done
+}
+
+stop() {
+  # The snapshot's scripts.compare begins the next run after a SIGTERM, so each process group ends once its run
+  # has said it checkpointed (or after 10 minutes, for a run that was sampling or scoring).
+  local -A seen pgid
+  for study in "${ORDER[@]}"; do
+    local pid
+    pid=$(main_pid "$study")
+    [ -n "$pid" ] || continue
+    seen[$study]=$(stop_lines "$study")
+    pgid[$study]=$(ps -o pgid= -p "$pid" | tr -d ' ')
+    kill -TERM "$pid"
+  done
+  for _ in $(seq 120); do
+    for study in "${!seen[@]}"; do
+      [ "$(stop_lines "$study")" -gt "${seen[$study]}" ] || continue
+      kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
+      echo "$study: $(tr '\r' '\n' < "$STUDIES/$study/study.log" | grep 'received: stopped at step' | tail -1)"
+      unset "seen[$study]"
+    done
+    [ ${#seen[@]} -eq 0 ] && break
+    sleep 5
+  done
+  for study in "${!seen[@]}"; do
+    kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
+    echo "$study: no checkpoint line within 10 minutes; ended (it resumes from its last checkpoint)"
+  done
+  carry
+  status
+}
+
+stop_lines() {  # how many times the study's log has said a run stopped with a checkpoint
+  tr '\r' '\n' < "$STUDIES/$1/study.log" | grep -c 'received: stopped at step' || true
+}
+
+case "${1:-}" in
+  restore|start|status|carry|stop) "$1" ;;
+  *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac

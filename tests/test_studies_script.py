@@ -1,0 +1,91 @@
+"""scripts/studies.sh, which carries the background studies between machines: a fresh --out is rebuilt from
+carry/ without touching what is there, a finished run's small files are carried (never its checkpoints) to the study
+that owns it, and `stop` ends a study's processes once its run has said it checkpointed."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "studies.sh"
+
+
+def studies(command, tmp_path):
+    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results")}
+    done = subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def write(path: Path, text="{}"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_restore_keeps_what_is_there_and_carry_takes_only_the_small_files_of_new_finished_runs(tmp_path):
+    results, runs_root = tmp_path / "results", tmp_path / "studies"
+    write(results / "dit_flow/carry/fmnist_cnn.safetensors", "classifier")
+    write(results / "dit_flow/carry/encoder/model.safetensors", "encoder")
+    write(results / "dit_flow/carry/finished/pre_d8_lr0.001_s0/result.json")
+    write(results / "dit_hc_attnres/carry/finished/mhc_d8_lr0.001_s0/result.json")
+    write(results / "deit_hc_attnres/carry/finished/hc_d12_lr0.001_s0/result.json")
+    write(runs_root / "deit_hc_attnres/runs/hc_d12_lr0.001_s0/metrics.jsonl")  # a run here already: kept as it is
+    snapshot_python = runs_root / "code_737261e/.venv/bin/python"  # the snapshot exists: restore builds nothing
+    write(snapshot_python, "#!/bin/sh\n")
+    snapshot_python.chmod(0o755)
+
+    status = studies("restore", tmp_path)
+    flow_runs = runs_root / "dit_flow/runs"
+    assert (runs_root / "dit_flow/fmnist_cnn.safetensors").read_text() == "classifier"
+    assert (runs_root / "dit_flow/encoder/model.safetensors").read_text() == "encoder"
+    assert (flow_runs / "pre_d8_lr0.001_s0/result.json").is_file()
+    assert (flow_runs / "mhc_d8_lr0.001_s0/result.json").is_file()  # dit_hc_attnres shares dit_flow's --out
+    assert not (runs_root / "deit_hc_attnres/runs/hc_d12_lr0.001_s0/result.json").exists()
+    assert "deit_hc_attnres: 0 finished; hc_d12_lr0.001_s0(no checkpoint); stopped" in status
+    assert "dit_flow: 1 finished; nothing in progress; stopped" in status
+    assert "dit_hc_attnres: 1 finished; nothing in progress; stopped" in status
+
+    write(flow_runs / "mhc_d8_lr0.001_s1/result.json", json.dumps({"fd": 1.0}))
+    write(flow_runs / "mhc_d8_lr0.001_s1/config.yaml", "model: {}")
+    write(flow_runs / "mhc_d8_lr0.001_s1/checkpoints/step_000000500.pt", "large")
+    write(flow_runs / "flow_pre_d8_lr0.001_s3/checkpoints/step_000001000.pt", "unfinished")
+    assert studies("carry", tmp_path).split() == ["carried", "dit_hc_attnres/mhc_d8_lr0.001_s1"]
+    carried = results / "dit_hc_attnres/carry/finished/mhc_d8_lr0.001_s1"
+    assert sorted(p.name for p in carried.iterdir()) == ["config.yaml", "result.json"]
+    assert not (results / "dit_flow/carry/finished/mhc_d8_lr0.001_s1").exists()
+    assert not (results / "dit_flow/carry/finished/flow_pre_d8_lr0.001_s3").exists()
+    assert studies("carry", tmp_path) == ""  # carried once
+
+
+STAND_IN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: print("\\rtrain 5/9\\rSIGTERM received: stopped at step 5 with a checkpoint "
+                                              "(exit 4)", flush=True))  # then, as the snapshot does, runs on
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_stop_ends_a_study_once_its_run_says_it_checkpointed(tmp_path):
+    log = tmp_path / "studies/deit_hc_attnres/study.log"
+    log.parent.mkdir(parents=True)
+    with open(log, "w") as out:  # the command line scripts.compare has, so that `stop` finds the process
+        stand_in = subprocess.Popen([sys.executable, "-c", STAND_IN, "scripts.compare", "--study", "deit_hc_attnres",
+                                     "--out", str(tmp_path / "studies/deit_hc_attnres"), "--report", "r"],
+                                    stdout=out, start_new_session=True)
+    try:
+        for _ in range(600):
+            if "ready" in log.read_text() or stand_in.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert "ready" in log.read_text()
+        said = studies("stop", tmp_path)
+        assert stand_in.wait(timeout=60) == -9
+        assert "deit_hc_attnres: SIGTERM received: stopped at step 5 with a checkpoint (exit 4)" in said
+        assert "deit_hc_attnres: 0 finished; nothing in progress; stopped" in said
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
