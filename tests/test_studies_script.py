@@ -77,7 +77,7 @@ def test_stop_ends_a_study_once_its_run_says_it_checkpointed(tmp_path):
                                      "--out", str(tmp_path / "studies/deit_hc_attnres"), "--report", "r"],
                                     stdout=out, start_new_session=True)
     try:
-        for _ in range(600):
+        for _ in range(3000):  # start-up on a busy machine: up to 5 minutes
             if "ready" in log.read_text() or stand_in.poll() is not None:
                 break
             time.sleep(0.1)
