@@ -72,9 +72,10 @@ status() {
     for run in "$runs"/*/; do
       [ -d "$run" ] && basename "$run" | grep -qE "${OWN[$study]}" || continue
       if [ -f "$run/result.json" ]; then finished=$((finished + 1)); continue; fi
-      local newest
+      local newest logged
       newest=$(ls "$run/checkpoints" 2>/dev/null | tail -1 || true)
-      line+=" $(basename "$run")(${newest:-no checkpoint})"
+      logged=$(tail -1 "$run/metrics.jsonl" 2>/dev/null | grep -o '"step": [0-9]*' | tr -d '"' || true)
+      line+=" $(basename "$run")(${logged:+$logged, }${newest:-no checkpoint})"
     done
     echo "$study: $finished finished;${line:- nothing in progress}; $([ -n "$(main_pid "$study")" ] && echo running || echo stopped)"
   done
