@@ -99,7 +99,7 @@ carry() {
 
 stop() {
   # The snapshot's scripts.compare begins the next run after a SIGTERM, so each process group ends once its run
-  # has said it checkpointed (or after 10 minutes, for a run that was sampling or scoring).
+  # has said it checkpointed or its scripts.compare has ended (or after 10 minutes).
   local -A seen pgid
   for study in "${ORDER[@]}"; do
     local pid
@@ -111,9 +111,14 @@ stop() {
   done
   for _ in $(seq 120); do
     for study in "${!seen[@]}"; do
-      [ "$(stop_lines "$study")" -gt "${seen[$study]}" ] || continue
+      if [ "$(stop_lines "$study")" -gt "${seen[$study]}" ]; then
+        echo "$study: $(tr '\r' '\n' < "$STUDIES/$study/study.log" | grep 'received: stopped at step' | tail -1)"
+      elif [ -z "$(main_pid "$study")" ]; then  # a run that was sampling or scoring ends on the signal, unsaid
+        echo "$study: ended on the signal (a run that was evaluating resumes from its last checkpoint)"
+      else
+        continue
+      fi
       kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
-      echo "$study: $(tr '\r' '\n' < "$STUDIES/$study/study.log" | grep 'received: stopped at step' | tail -1)"
       unset "seen[$study]"
     done
     [ ${#seen[@]} -eq 0 ] && break
