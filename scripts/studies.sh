@@ -105,14 +105,14 @@ stop() {
     local pid
     pid=$(main_pid "$study")
     [ -n "$pid" ] || continue
-    seen[$study]=$(stop_lines "$study")
+    seen[$study]=$(stop_lines "$study" | wc -l)
     pgid[$study]=$(ps -o pgid= -p "$pid" | tr -d ' ')
     kill -TERM "$pid"
   done
   for _ in $(seq 120); do
     for study in "${!seen[@]}"; do
-      if [ "$(stop_lines "$study")" -gt "${seen[$study]}" ]; then
-        echo "$study: $(tr '\r' '\n' < "$STUDIES/$study/study.log" | grep 'received: stopped at step' | tail -1)"
+      if [ "$(stop_lines "$study" | wc -l)" -gt "${seen[$study]}" ]; then
+        echo "$study: $(stop_lines "$study" | tail -1)"
       elif [ -z "$(main_pid "$study")" ]; then  # a run that was sampling or scoring ends on the signal, unsaid
         echo "$study: ended on the signal (a run that was evaluating resumes from its last checkpoint)"
       else
@@ -132,8 +132,8 @@ stop() {
   status
 }
 
-stop_lines() {  # how many times the study's log has said a run stopped with a checkpoint
-  tr '\r' '\n' < "$STUDIES/$1/study.log" | grep -c 'received: stopped at step' || true
+stop_lines() {  # the lines of the study's log that say a run stopped with a checkpoint
+  tr '\r' '\n' < "$STUDIES/$1/study.log" 2> /dev/null | grep 'received: stopped at step' || true
 }
 
 case "${1:-}" in
