@@ -50,4 +50,4 @@ gpu-check: $(STAMP)
 	$(PY) -m scripts.gpu_check --out runs/gpu_check.json
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .venv-latest runs .pytest_cache
