@@ -131,3 +131,13 @@ def test_torchscript_and_fx_equal_eager(topology, images):
         assert (e is None) == (t is None), name
         if e is not None:
             torch.testing.assert_close(t, e, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("topology", ["pre", *TOPOLOGIES])
+def test_torch_export_equals_eager(topology, images):
+    """torch.export, what torch 2.14 names in place of the deprecated TorchScript: every topology exports whole (no
+    python fallback exists in an exported program) and it gives eager's logits."""
+    net = randomize_(timm.create_model("deit_tiny_patch16_224", **SMALL)).eval() if topology == "pre" else model(topology)
+    with torch.no_grad():
+        exported = torch.export.export(net, (images,))
+        torch.testing.assert_close(exported.module()(images), net(images), rtol=1e-5, atol=1e-6)

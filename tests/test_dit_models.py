@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.checkpoint import CheckpointError, load_weights
-from diffusion.models import DiT, DiT_models, sincos_pos_embed_2d
+from diffusion.models import DIT_TOPOLOGIES, DiT, DiT_models, sincos_pos_embed_2d
 
 SMALL = dict(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=3, num_heads=4, num_classes=10)
 
@@ -34,6 +34,15 @@ def inputs():
     t = torch.tensor([0, 17, 500, 999])
     y = torch.tensor([0, 3, 9, 10])  # 10 = the null class
     return x, t, y
+
+
+@pytest.mark.parametrize("topology", DIT_TOPOLOGIES)
+def test_torch_export_equals_eager(topology, inputs):
+    """Every topology exports whole with torch.export, guidance's null label included, and gives eager's output."""
+    model = randomize_(small(topology))
+    with torch.no_grad():
+        exported = torch.export.export(model, inputs)
+        torch.testing.assert_close(exported.module()(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- sizes and FLOPs
