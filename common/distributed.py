@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
@@ -20,6 +21,27 @@ import torch
 from common.cli import InputError
 
 PRECISIONS = ("auto", "fp32", "bf16")
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU while NVIDIA's kernel driver is loaded
+_said_unusable_gpu = False
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, with one line (once a process, from local rank 0) when the machine has NVIDIA
+    GPUs this torch cannot use: a CPU-only build, or a CUDA build newer than the driver (pip's default torch 2.15 is
+    built for CUDA 13.2). Without it the run would go on on the CPU, many times slower, unannounced."""
+    global _said_unusable_gpu
+    if torch.cuda.is_available():
+        return True
+    gpus = os.listdir(NVIDIA_GPUS) if os.path.isdir(NVIDIA_GPUS) else []
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")  # the CPU on purpose
+    if gpus and not hidden and not _said_unusable_gpu and os.environ.get("LOCAL_RANK", "0") == "0":
+        _said_unusable_gpu = True
+        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        print(f"warning: this machine has {len(gpus)} NVIDIA GPU(s) that torch {torch.__version__} ({build}) cannot "
+              "use, so this runs on the CPU; install the torch build for this machine's driver "
+              "(https://pytorch.org/get-started/locally/), or set CUDA_VISIBLE_DEVICES= to run on the CPU without "
+              "this line", file=sys.stderr, flush=True)
+    return False
 
 
 def resolve_precision(precision: str) -> str:
@@ -55,7 +77,7 @@ def build_accelerator(precision: str = "auto", run_dir: Optional[Union[str, os.P
     if timeout_minutes is not None:
         handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes)))
     # accelerate only joins a CPU process group (gloo, e.g. under torchrun) when told cpu=True.
-    cpu = cpu or not torch.cuda.is_available()
+    cpu = cpu or not cuda_available()
     accelerator = Accelerator(mixed_precision=mixed, cpu=cpu, log_with=log_with,
                               project_config=project, kwargs_handlers=handlers)
     use_fast_cuda_kernels()

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
 from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
-from common.distributed import use_fast_cuda_kernels
+from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.durable import atomic_write_text
 from common.preemption import command_stop_signals, exit_when_stopped, stoppable_rounds
 from diffusion.latents import (
@@ -173,7 +173,7 @@ def extract(args) -> dict:
     files = ImageFiles(args.data_path, args.image_size)  # the input first: nothing loads for a wrong --data-path
     if len(files) == 0:
         raise InputNotFoundError(f"no images found under {args.data_path}")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
+    accelerator = Accelerator(cpu=not cuda_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
     vae = load_vae(args.vae, allow_download=args.allow_download, download_flag="--allow-download")
     vae_sha256 = weights_fingerprint(vae.state_dict())  # a VAE replaced at the same path must not resume

@@ -54,7 +54,7 @@ import torch
 
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
-from common.distributed import use_fast_cuda_kernels
+from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.preemption import command_stop_signals, exit_when_stopped
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
@@ -268,7 +268,7 @@ def main(argv=None) -> Optional[dict]:
 
         from diffusion.checkpoints import load_dit  # timm
 
-        state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True joins a gloo group under torchrun
+        state = PartialState(cpu=not cuda_available())  # cpu=True joins a gloo group under torchrun
         device = args.device or str(state.device)
         use_fast_cuda_kernels()  # TF32 as DiT's sample.py, cudnn's autotuner for the VAE
         transport = transport_override(args)

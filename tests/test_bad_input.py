@@ -452,3 +452,32 @@ def test_evaluation_results_and_metrics_lines_are_flushed_to_disk(tmp_path, monk
     evaluate.main(["--config", str(tmp_path / "r" / "config.yaml"), f"checkpoint={tmp_path / 'r' / 'model.safetensors'}",
                    f"output={tmp_path / 'eval.json'}"])
     assert str(tmp_path / "eval.json.tmp") in synced and json.loads((tmp_path / "eval.json").read_text())["images"] == 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a torch that can use the GPU has nothing to say")
+def test_nvidia_gpus_this_torch_cannot_use_are_said_once_and_the_run_goes_on_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """A CPU-only torch, or a CUDA build newer than the driver, on a GPU machine: one line from local rank 0 naming
+    the cause and the fix, then the CPU; nothing where the GPUs are hidden on purpose or there is no NVIDIA driver."""
+    from common import distributed
+
+    gpus = tmp_path / "gpus"  # the layout of /proc/driver/nvidia/gpus: a folder per GPU, named by its PCI address
+    for address in ("0000:3b:00.0", "0000:86:00.0"):
+        (gpus / address).mkdir(parents=True)
+    monkeypatch.setattr(distributed, "NVIDIA_GPUS", str(gpus))
+    monkeypatch.setattr(distributed, "_said_unusable_gpu", False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    accelerator = distributed.build_accelerator(precision="auto", tensorboard=False)
+    assert accelerator.device.type == "cpu" and not distributed.cuda_available()
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "2 NVIDIA GPU(s)" in err and f"torch {torch.__version__}" in err
+    assert "pytorch.org/get-started" in err and "CUDA_VISIBLE_DEVICES=" in err
+    for env, path in ((("CUDA_VISIBLE_DEVICES", ""), gpus), (("LOCAL_RANK", "1"), gpus), (None, tmp_path / "none")):
+        monkeypatch.setattr(distributed, "_said_unusable_gpu", False)
+        monkeypatch.setattr(distributed, "NVIDIA_GPUS", str(path))
+        if env:
+            monkeypatch.setenv(*env)
+        assert not distributed.cuda_available()
+        assert capsys.readouterr().err == "", env
+        if env:
+            monkeypatch.delenv(env[0])

@@ -34,6 +34,7 @@ from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_featur
 
 from common.checkpoint import CheckpointError, load_weights
 from common.cli import InputError
+from common.distributed import cuda_available
 from diffusion.evaluation.images import ImageSet
 from diffusion.evaluation.metrics import MetricsError
 
@@ -362,7 +363,7 @@ def extractor_layers(feature_extractor: str, feature_layer: Optional[str], roles
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_available() else "cpu"
 
 
 @torch.no_grad()
