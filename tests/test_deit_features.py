@@ -111,6 +111,7 @@ def test_is_causal_is_the_lower_triangular_mask(images):
         net(images, attn_mask=tril, is_causal=True)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # timm's contract still has it
 @pytest.mark.parametrize("topology", ["siamese", "residual", "mixln", "mhc", "attnres_block"])
 def test_torchscript_and_fx_equal_eager(topology, images):
     net = model(topology)
