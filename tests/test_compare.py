@@ -149,6 +149,7 @@ def test_a_stop_signal_ends_the_comparison_with_exit_4_and_the_same_command_cont
 
 
 @pytest.mark.fashion_mnist
+@pytest.mark.filterwarnings("ignore:.*covariance is singular:UserWarning")  # 10 samples: the tiny run's own warning
 def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
     import torch
 
