@@ -63,6 +63,7 @@ from typing import Callable, Dict, List, Optional, Sequence  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.harness import PEAK_BF16, time_call  # noqa: E402
+from common.distributed import cuda_available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre")
@@ -591,8 +592,8 @@ def main(argv: Sequence[str] | None = None, started: Optional[float] = None) -> 
     p.add_argument("--tiny", action="store_true",
                    help="tiny models and inputs in every part (with --allow-cpu: the CPU smoke run the tests use)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() and not args.allow_cpu:
-        print("error: make gpu-check measures a CUDA GPU, and this machine has none (torch.cuda.is_available() is "
+    if not cuda_available() and not args.allow_cpu:  # a GPU this torch cannot use is named in a line before this one
+        print("error: make gpu-check measures a CUDA GPU, and this torch sees none (torch.cuda.is_available() is "
               "False). Run it on a machine with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
         raise SystemExit(2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,7 +18,7 @@ def test_without_a_gpu_it_stops_with_a_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--out", str(tmp_path / "x.json")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "make gpu-check measures a CUDA GPU, and this machine has none" in proc.stderr
+    assert "make gpu-check measures a CUDA GPU, and this torch sees none" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "x.json").exists()
 
 
