@@ -27,12 +27,15 @@ _said_unusable_gpu = False
 
 def cuda_available() -> bool:
     """``torch.cuda.is_available()``, with one line (once a process, from local rank 0) when the machine has NVIDIA
-    GPUs this torch cannot use: a CPU-only build, or a CUDA build newer than the driver (pip's default torch 2.15 is
-    built for CUDA 13.2). Without it the run would go on on the CPU, many times slower, unannounced."""
+    GPUs this torch cannot use: a CPU-only build, or a CUDA build newer than the driver (pip's default torch is built
+    for a recent CUDA). Without it the run would go on on the CPU, many times slower, unannounced."""
     global _said_unusable_gpu
     if torch.cuda.is_available():
         return True
-    gpus = os.listdir(NVIDIA_GPUS) if os.path.isdir(NVIDIA_GPUS) else []
+    try:
+        gpus = os.listdir(NVIDIA_GPUS)
+    except OSError:  # no NVIDIA driver (the usual CPU machine), or a container that hides it
+        gpus = []
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")  # the CPU on purpose
     if gpus and not hidden and not _said_unusable_gpu and os.environ.get("LOCAL_RANK", "0") == "0":
         _said_unusable_gpu = True
