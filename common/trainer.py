@@ -376,7 +376,7 @@ class Trainer:
     def _resume(self) -> Tuple[int, Optional[dict]]:
         """The step to continue from and what changed, after checking the checkpoint against the settings."""
         run = self.run
-        self.resumed_window = None
+        self.resumed_window, self.resumed_record = None, {}
         if run.resume is None or str(run.resume).lower() in ("", "none", "null", "false"):
             if self.ckpts.steps():
                 raise ResumeError(
@@ -425,6 +425,7 @@ class Trainer:
         restore_process_rng(state["rng"], self.rank, self.world, path)
         self.resumed_window = resumed_log_window(state.get("log_window"), self.rank, self.world,
                                                  3 + len(self.task.loss_parts))
+        self.resumed_record = dict(state.get("last_record") or {})  # final_metrics' training figures
         return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()}}
 
     # -------------------------------------------------------------------------------------------- run
@@ -456,7 +457,7 @@ class Trainer:
         self.window = LogWindow(self.task.loss_parts, accelerator.device)
         if self.resumed_window is not None:  # the steps since the last log record, before the stop
             self.window.sums.copy_(torch.tensor(self.resumed_window))
-        self.last_record: dict = {}
+        self.last_record: dict = self.resumed_record  # a run resumed at its last step logs no new record
         self.last_saved = step
         self.stop.checkpoint_written()  # ckpt_every_minutes counts from the start of training
         try:
@@ -591,8 +592,8 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "step": self.step, "epoch": epoch,
                 "sampler": {**self.sampler.state_dict(), "epoch": epoch,
                             "start": done * self.samples_per_step * self.world},
-                "rng": list(rng), "log_window": list(window), "nonfinite": self.guard.state_dict(),
-                "world_size": self.world,
+                "rng": list(rng), "log_window": list(window), "last_record": self.last_record,
+                "nonfinite": self.guard.state_dict(), "world_size": self.world,
                 "config": config_to_dict(self.cfg), "hooks_pending": hooks_pending,
             }, self.step)
             if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint
