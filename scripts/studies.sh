@@ -8,6 +8,8 @@
 #   bash scripts/studies.sh status    # finished runs per study, runs in progress and their newest checkpoint
 #   bash scripts/studies.sh carry     # each newly finished run's small files into docs/results/<study>/carry/
 #   bash scripts/studies.sh stop      # SIGTERM (a run in progress checkpoints), then end the processes; then carry
+#   bash scripts/studies.sh drain [M] # each study ends once its run in progress has finished (stop after M minutes,
+#                                     # default 60), then carry: a machine that will not stay loses no training
 #
 # STUDIES (default /work/studies) holds the runs; REV (default below) is the commit the studies run from: one
 # snapshot for a study's whole life, so every run computes with the same code; RESULTS: where carry/ is.
@@ -132,11 +134,52 @@ stop() {
   status
 }
 
+drain() {
+  # A checkpoint of a run in progress stays on this machine, so before the machine goes each study finishes its run
+  # (the run folder whose .lock its processes hold) and ends before it trains the next; the others get its core.
+  local minutes=${1:-60} poll=${DRAIN_POLL:-30}
+  local -A run=() pgid=()
+  for study in "${ORDER[@]}"; do
+    local pid
+    pid=$(main_pid "$study")
+    [ -n "$pid" ] && pgid[$study]=$(ps -o pgid= -p "$pid" | tr -d ' ')
+  done
+  local deadline=$((SECONDS + minutes * 60))
+  while [ ${#pgid[@]} -gt 0 ] && [ $SECONDS -lt $deadline ]; do
+    for study in "${!pgid[@]}"; do
+      [ -n "${run[$study]:-}" ] || run[$study]=$(locked_run "${pgid[$study]}")
+      if [ -z "$(main_pid "$study")" ]; then
+        echo "$study: its process ended"
+      elif [ -n "${run[$study]}" ] && [ -f "${run[$study]}/result.json" ]; then
+        kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
+        echo "$study: $(basename "${run[$study]}") finished; ended before the next run"
+      else
+        continue
+      fi
+      unset "pgid[$study]"
+    done
+    [ ${#pgid[@]} -eq 0 ] || sleep "$poll"
+  done
+  if [ ${#pgid[@]} -gt 0 ]; then
+    echo "after $minutes minutes: ${!pgid[*]} still training; stopping with a checkpoint"
+    stop
+  else
+    carry
+    status
+  fi
+}
+
+locked_run() {  # the run folder whose .lock a process of the group holds (empty between runs)
+  for p in $(pgrep -g "$1"); do
+    ls -l "/proc/$p/fd" 2> /dev/null | grep -o '/[^ ]*/runs/[^/]*/\.lock' || true
+  done | head -1 | sed 's|/\.lock$||' || true
+}
+
 stop_lines() {  # the lines of the study's log that say a run stopped with a checkpoint
   tr '\r' '\n' < "$STUDIES/$1/study.log" 2> /dev/null | grep 'received: stopped at step' || true
 }
 
 case "${1:-}" in
-  restore|start|status|carry|stop) "$1" ;;
-  *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  restore|start|status|carry|stop|drain) "$@" ;;
+  *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

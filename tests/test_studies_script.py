@@ -1,19 +1,22 @@
 """scripts/studies.sh, which carries the background studies between machines: a fresh --out is rebuilt from
 carry/ without touching what is there, a finished run's small files are carried (never its checkpoints) to the study
-that owns it, and `stop` ends a study's processes once its run has said it checkpointed."""
+that owns it, `stop` ends a study's processes once its run has said it checkpointed, and `drain` ends them once their
+run in progress has finished."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "studies.sh"
 
 
-def studies(command, tmp_path):
-    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results")}
-    done = subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=900)
+def studies(command, tmp_path, *args):
+    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results"), "DRAIN_POLL": "1"}
+    done = subprocess.run(["bash", str(SCRIPT), command, *args], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -81,6 +84,45 @@ def test_stop_ends_a_study_once_its_run_says_it_checkpointed(tmp_path):
         assert stand_in.wait(timeout=60) == -9
         assert "deit_hc_attnres: SIGTERM received: stopped at step 5 with a checkpoint (exit 4)" in said
         assert "deit_hc_attnres: 0 finished; nothing in progress; stopped" in said
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
+
+
+HOLDS_A_RUN = """
+import fcntl, os, signal, sys
+lock = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(lock, fcntl.LOCK_EX)  # as the trainer's RunLock holds its run folder
+print("ready", file=sys.stderr, flush=True)
+while True:
+    signal.pause()
+"""
+
+
+def test_drain_ends_a_study_once_its_run_in_progress_has_finished_and_carries_it(tmp_path):
+    out = tmp_path / "studies/deit_hc_attnres"
+    run = out / "runs/hc_d12_lr0.001_s4"
+    write(run / "config.yaml", "model: {}")
+    (tmp_path / "studies/deit_hc_attnres/study.log").write_text("")
+    stand_in = subprocess.Popen([sys.executable, "-c", HOLDS_A_RUN, str(run / ".lock"), "scripts.compare", "--study",
+                                 "deit_hc_attnres", "--out", str(out), "--report", "r"],
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert stand_in.stderr.readline() == "ready\n"
+        env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results"),
+               "DRAIN_POLL": "1"}
+        drain = subprocess.Popen(["bash", str(SCRIPT), "drain", "5"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):  # the run is still training: the study is left alone
+            drain.wait(timeout=3)
+        assert stand_in.poll() is None
+        write(run / "result.json", json.dumps({"top1": 50.0}))  # the run finishes
+        said, err = drain.communicate(timeout=120)
+        assert drain.returncode == 0, err
+        assert stand_in.wait(timeout=60) == -9
+        assert "deit_hc_attnres: hc_d12_lr0.001_s4 finished; ended before the next run" in said
+        assert "carried deit_hc_attnres/hc_d12_lr0.001_s4" in said
+        assert "deit_hc_attnres: 1 finished; nothing in progress; stopped" in said
     finally:
         if stand_in.poll() is None:
             stand_in.kill()
