@@ -138,6 +138,7 @@ drain() {
   # A checkpoint of a run in progress stays on this machine, so before the machine goes each study finishes its run
   # (the run folder whose .lock its processes hold) and ends before it trains the next; the others get its core.
   local minutes=${1:-60} poll=${DRAIN_POLL:-30}
+  [[ $minutes =~ ^[0-9]+$ ]] || { echo "drain takes whole minutes, e.g. \`drain 45\` (got '$minutes')"; exit 2; }
   local -A run=() pgid=()
   for study in "${ORDER[@]}"; do
     local pid

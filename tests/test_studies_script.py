@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "studies.sh"
 
 
-def studies(command, tmp_path, *args):
-    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results"), "DRAIN_POLL": "1"}
-    done = subprocess.run(["bash", str(SCRIPT), command, *args], env=env, capture_output=True, text=True, timeout=900)
+def studies(command, tmp_path):
+    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results")}
+    done = subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -126,3 +126,9 @@ def test_drain_ends_a_study_once_its_run_in_progress_has_finished_and_carries_it
     finally:
         if stand_in.poll() is None:
             stand_in.kill()
+
+
+def test_drain_refuses_a_limit_that_is_not_whole_minutes_in_one_line(tmp_path):
+    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results")}
+    done = subprocess.run(["bash", str(SCRIPT), "drain", "4.5"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "drain takes whole minutes, e.g. `drain 45` (got '4.5')\n"
