@@ -376,7 +376,7 @@ class Trainer:
     def _resume(self) -> Tuple[int, Optional[dict]]:
         """The step to continue from and what changed, after checking the checkpoint against the settings."""
         run = self.run
-        self.resumed_window, self.resumed_record = None, {}
+        self.resumed_window, self.last_record = None, {}
         if run.resume is None or str(run.resume).lower() in ("", "none", "null", "false"):
             if self.ckpts.steps():
                 raise ResumeError(
@@ -425,7 +425,7 @@ class Trainer:
         restore_process_rng(state["rng"], self.rank, self.world, path)
         self.resumed_window = resumed_log_window(state.get("log_window"), self.rank, self.world,
                                                  3 + len(self.task.loss_parts))
-        self.resumed_record = dict(state.get("last_record") or {})  # final_metrics' training figures
+        self.last_record = dict(state.get("last_record") or {})  # a run resumed at its last step logs no new one
         return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()}}
 
     # -------------------------------------------------------------------------------------------- run
@@ -457,7 +457,6 @@ class Trainer:
         self.window = LogWindow(self.task.loss_parts, accelerator.device)
         if self.resumed_window is not None:  # the steps since the last log record, before the stop
             self.window.sums.copy_(torch.tensor(self.resumed_window))
-        self.last_record: dict = self.resumed_record  # a run resumed at its last step logs no new record
         self.last_saved = step
         self.stop.checkpoint_written()  # ckpt_every_minutes counts from the start of training
         try:

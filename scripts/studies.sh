@@ -35,6 +35,10 @@ main_pid() {  # the study's scripts.compare process, if it runs
   pgrep -o -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
 }
 
+group_of() {  # a process's group: the study's processes, its runs' workers included
+  ps -o pgid= -p "$1" | tr -d ' '
+}
+
 restore() {
   if [ ! -x "$CODE/.venv/bin/python" ]; then
     mkdir -p "$CODE"
@@ -108,7 +112,7 @@ stop() {
     pid=$(main_pid "$study")
     [ -n "$pid" ] || continue
     seen[$study]=$(stop_lines "$study" | wc -l)
-    pgid[$study]=$(ps -o pgid= -p "$pid" | tr -d ' ')
+    pgid[$study]=$(group_of "$pid")
     kill -TERM "$pid"
   done
   for _ in $(seq 120); do
@@ -143,7 +147,7 @@ drain() {
   for study in "${ORDER[@]}"; do
     local pid
     pid=$(main_pid "$study")
-    [ -n "$pid" ] && pgid[$study]=$(ps -o pgid= -p "$pid" | tr -d ' ')
+    [ -n "$pid" ] && pgid[$study]=$(group_of "$pid")
   done
   local deadline=$((SECONDS + minutes * 60))
   while [ ${#pgid[@]} -gt 0 ] && [ $SECONDS -lt $deadline ]; do
@@ -172,7 +176,7 @@ drain() {
 
 locked_run() {  # the run folder whose .lock a process of the group holds (empty between runs)
   for p in $(pgrep -g "$1"); do
-    ls -l "/proc/$p/fd" 2> /dev/null | grep -o '/[^ ]*/runs/[^/]*/\.lock' || true
+    ls -l "/proc/$p/fd" 2> /dev/null | grep -o '/[^ ]*/runs/[^/]*/\.lock'
   done | head -1 | sed 's|/\.lock$||' || true
 }
 

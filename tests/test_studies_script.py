@@ -14,9 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "studies.sh"
 
 
+def studies_env(tmp_path, **extra):
+    return {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results"), **extra}
+
+
 def studies(command, tmp_path):
-    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results")}
-    done = subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(["bash", str(SCRIPT), command], env=studies_env(tmp_path), capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -109,11 +113,10 @@ def test_drain_ends_a_study_once_its_run_in_progress_has_finished_and_carries_it
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert stand_in.stderr.readline() == "ready\n"
-        env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results"),
-               "DRAIN_POLL": "1"}
-        drain = subprocess.Popen(["bash", str(SCRIPT), "drain", "5"], env=env, stdout=subprocess.PIPE,
+        drain = subprocess.Popen(["bash", str(SCRIPT), "drain", "5"], env=studies_env(tmp_path, DRAIN_POLL="1"),
+                                 stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
-        with pytest.raises(subprocess.TimeoutExpired):  # the run is still training: the study is left alone
+        with pytest.raises(subprocess.TimeoutExpired):
             drain.wait(timeout=3)
         assert stand_in.poll() is None
         write(run / "result.json", json.dumps({"top1": 50.0}))  # the run finishes
@@ -129,6 +132,6 @@ def test_drain_ends_a_study_once_its_run_in_progress_has_finished_and_carries_it
 
 
 def test_drain_refuses_a_limit_that_is_not_whole_minutes_in_one_line(tmp_path):
-    env = {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results")}
-    done = subprocess.run(["bash", str(SCRIPT), "drain", "4.5"], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", str(SCRIPT), "drain", "4.5"], env=studies_env(tmp_path), capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == "drain takes whole minutes, e.g. `drain 45` (got '4.5')\n"
