@@ -114,8 +114,7 @@ def test_drain_ends_a_study_once_its_run_in_progress_has_finished_and_carries_it
     try:
         assert stand_in.stderr.readline() == "ready\n"
         drain = subprocess.Popen(["bash", str(SCRIPT), "drain", "5"], env=studies_env(tmp_path, DRAIN_POLL="1"),
-                                 stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):
             drain.wait(timeout=3)
         assert stand_in.poll() is None
