@@ -55,11 +55,12 @@ def test_restore_keeps_what_is_there_and_carry_takes_only_the_small_files_of_new
 
     write(flow_runs / "mhc_d8_lr0.001_s1/result.json", json.dumps({"fd": 1.0}))
     write(flow_runs / "mhc_d8_lr0.001_s1/config.yaml", "model: {}")
+    write(flow_runs / "mhc_d8_lr0.001_s1/metrics.jsonl", '{"step": 50, "train/steps_per_s": 2.5}')
     write(flow_runs / "mhc_d8_lr0.001_s1/checkpoints/step_000000500.pt", "large")
     write(flow_runs / "flow_pre_d8_lr0.001_s3/checkpoints/step_000001000.pt", "unfinished")
     assert studies("carry", tmp_path).split() == ["carried", "dit_hc_attnres/mhc_d8_lr0.001_s1"]
     carried = results / "dit_hc_attnres/carry/finished/mhc_d8_lr0.001_s1"
-    assert sorted(p.name for p in carried.iterdir()) == ["config.yaml", "result.json"]
+    assert sorted(p.name for p in carried.iterdir()) == ["config.yaml", "metrics.jsonl", "result.json"]
     assert not (results / "dit_flow/carry/finished/mhc_d8_lr0.001_s1").exists()
     assert not (results / "dit_flow/carry/finished/flow_pre_d8_lr0.001_s3").exists()
     assert studies("carry", tmp_path) == ""  # carried once
