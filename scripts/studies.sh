@@ -95,7 +95,7 @@ carry() {
       [ -f "$run/result.json" ] && echo "$name" | grep -qE "${OWN[$study]}" || continue
       [ -d "$RESULTS/$study/carry/finished/$name" ] && continue
       mkdir -p "$RESULTS/$study/carry/finished/$name"
-      # metrics.jsonl (about 30 KB): the report's steps/s column reads it
+      # metrics.jsonl: the report's steps/s column reads it
       for f in result.json compare_settings.json config.yaml diagnostics.json final_metrics.json metrics.jsonl; do
         [ -f "$run/$f" ] && cp "$run/$f" "$RESULTS/$study/carry/finished/$name/"
       done
