@@ -1,14 +1,15 @@
 #!/bin/bash
-# The pre-registered studies still in progress, run in the background across sittings and machines: each study's
-# finished runs travel in docs/results/<study>/carry/ (checkpoints are too large for git), so a fresh machine
+# The pre-registered studies too long for one sitting, run in the background across sittings and machines: each
+# study's finished runs travel in docs/results/<study>/carry/ (checkpoints are too large for git), so a fresh machine
 # continues where the last one stopped instead of starting over.
 #
 #   bash scripts/studies.sh restore   # code snapshot + .venv, each --out rebuilt from carry/ (what is there is kept)
-#   bash scripts/studies.sh start     # each study at the lowest priority, unless it runs already; logs beside
+#   bash scripts/studies.sh start [N] # N processes per study (default 1; they share its runs, each claimed by the
+#                                     # process training it) at the lowest priority, less those running; logs beside
 #   bash scripts/studies.sh status    # finished runs per study, runs in progress and their newest checkpoint
 #   bash scripts/studies.sh carry     # each newly finished run's small files into docs/results/<study>/carry/
 #   bash scripts/studies.sh stop      # SIGTERM (a run in progress checkpoints), then end the processes; then carry
-#   bash scripts/studies.sh drain [M] # each study ends once its run in progress has finished (stop after M minutes,
+#   bash scripts/studies.sh drain [M] # each process ends once its run in progress has finished (stop after M minutes,
 #                                     # default 60), then carry: a machine that will not stay loses no training
 #
 # STUDIES (default /work/studies) holds the runs; REV (default below) is the commit the studies run from: one
@@ -31,8 +32,12 @@ declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_')
 ORDER=(deit_hc_attnres dit_flow dit_hc_attnres)
 
-main_pid() {  # the study's scripts.compare process, if it runs
-  pgrep -o -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
+pids_of() {  # the study's scripts.compare processes
+  pgrep -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
+}
+
+alive() {  # the process still runs scripts.compare (an ended one, zombie or gone, has no command line)
+  grep -q scripts.compare "/proc/$1/cmdline" 2> /dev/null
 }
 
 group_of() {  # a process's group: the study's processes, its runs' workers included
@@ -60,15 +65,24 @@ restore() {
 }
 
 start() {
-  [ -x "$CODE/.venv/bin/python" ] || { echo "no snapshot at $CODE: run \`bash scripts/studies.sh restore\` first"; exit 2; }
+  local processes=${1:-1}
+  [[ $processes =~ ^[1-9][0-9]*$ ]] ||
+    { echo "start takes a number of processes per study, e.g. \`start 2\` (got '$processes')"; exit 2; }
+  [ -x "$CODE/.venv/bin/python" ] ||
+    { echo "no snapshot at $CODE: run \`bash scripts/studies.sh restore\` first"; exit 2; }
   for study in "${ORDER[@]}"; do
-    if [ -n "$(main_pid "$study")" ]; then echo "$study runs already (pid $(main_pid "$study"))"; continue; fi
+    local running
+    running=$(pids_of "$study" | wc -l)
+    [ "$running" -eq 0 ] || echo "$study runs already (pids $(pids_of "$study" | paste -sd' '))"
     mkdir -p "$STUDIES/$study"
-    # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
-    setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $CODE && PYTHONPATH=$CODE OMP_NUM_THREADS=1 \
-      exec nice -n 19 .venv/bin/python -m scripts.compare --study $study --out ${OUT[$study]} ${ARGS[$study]} \
-      --report $STUDIES/$study/report" >> "$STUDIES/$study/study.log" 2>&1 < /dev/null &
-    echo "$study started; log $STUDIES/$study/study.log"
+    for k in $(seq $((running + 1)) "$processes"); do
+      local log=$STUDIES/$study/study$([ "$k" -gt 1 ] && echo "$k").log
+      # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
+      setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $CODE && PYTHONPATH=$CODE OMP_NUM_THREADS=1 \
+        exec nice -n 19 .venv/bin/python -m scripts.compare --study $study --out ${OUT[$study]} ${ARGS[$study]} \
+        --report $STUDIES/$study/report" >> "$log" 2>&1 < /dev/null &
+      echo "$study started; log $log"
+    done
   done
 }
 
@@ -83,7 +97,12 @@ status() {
       logged=$(tail -1 "$run/metrics.jsonl" 2>/dev/null | grep -o '"step": [0-9]*' | tr -d '"' || true)
       line+=" $(basename "$run")(${logged:+$logged, }${newest:-no checkpoint})"
     done
-    echo "$study: $finished finished;${line:- nothing in progress}; $([ -n "$(main_pid "$study")" ] && echo running || echo stopped)"
+    local running
+    running=$(pids_of "$study" | wc -l)
+    local state=running
+    [ "$running" -eq 0 ] && state=stopped
+    [ "$running" -gt 1 ] && state="running ($running processes)"
+    echo "$study: $finished finished;${line:- nothing in progress}; $state"
   done
 }
 
@@ -106,68 +125,71 @@ carry() {
 
 stop() {
   # The snapshot's scripts.compare begins the next run after a SIGTERM, so each process group ends once its run
-  # has said it checkpointed or its scripts.compare has ended (or after 10 minutes).
-  local -A seen pgid
-  for study in "${ORDER[@]}"; do
-    local pid
-    pid=$(main_pid "$study")
-    [ -n "$pid" ] || continue
-    seen[$study]=$(stop_lines "$study" | wc -l)
-    pgid[$study]=$(group_of "$pid")
-    kill -TERM "$pid"
+  # has said it checkpointed (in the process's own log) or its scripts.compare has ended (or after 10 minutes).
+  local -A seen pgid log study
+  for name in "${ORDER[@]}"; do
+    for pid in $(pids_of "$name"); do
+      study[$pid]=$name
+      log[$pid]=$(readlink "/proc/$pid/fd/1" || true)  # its stdout: the log `start` gave it
+      seen[$pid]=$(stop_lines "${log[$pid]}" | wc -l)
+      pgid[$pid]=$(group_of "$pid")
+      kill -TERM "$pid"
+    done
   done
   for _ in $(seq 120); do
-    for study in "${!seen[@]}"; do
-      if [ "$(stop_lines "$study" | wc -l)" -gt "${seen[$study]}" ]; then
-        echo "$study: $(stop_lines "$study" | tail -1)"
-      elif [ -z "$(main_pid "$study")" ]; then  # a run that was sampling or scoring ends on the signal, unsaid
-        echo "$study: ended on the signal (a run that was evaluating resumes from its last checkpoint)"
+    for pid in "${!seen[@]}"; do
+      if [ "$(stop_lines "${log[$pid]}" | wc -l)" -gt "${seen[$pid]}" ]; then
+        echo "${study[$pid]}: $(stop_lines "${log[$pid]}" | tail -1)"
+      elif ! alive "$pid"; then  # a run that was sampling or scoring ends on the signal, unsaid
+        echo "${study[$pid]}: ended on the signal (a run that was evaluating resumes from its last checkpoint)"
       else
         continue
       fi
-      kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
-      unset "seen[$study]"
+      kill -9 -- "-${pgid[$pid]}" 2> /dev/null || true
+      unset "seen[$pid]"
     done
     [ ${#seen[@]} -eq 0 ] && break
     sleep 5
   done
-  for study in "${!seen[@]}"; do
-    kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
-    echo "$study: no checkpoint line within 10 minutes; ended (it resumes from its last checkpoint)"
+  for pid in "${!seen[@]}"; do
+    kill -9 -- "-${pgid[$pid]}" 2> /dev/null || true
+    echo "${study[$pid]}: no checkpoint line within 10 minutes; ended (it resumes from its last checkpoint)"
   done
   carry
   status
 }
 
 drain() {
-  # A checkpoint of a run in progress stays on this machine, so before the machine goes each study finishes its run
-  # (the run folder whose .lock its processes hold) and ends before it trains the next; the others get its core.
+  # A checkpoint of a run in progress stays on this machine, so before the machine goes each process finishes its run
+  # (the run folder whose .lock it holds) and ends before it trains the next; the others get its core.
   local minutes=${1:-60} poll=${DRAIN_POLL:-30}
   [[ $minutes =~ ^[0-9]+$ ]] || { echo "drain takes whole minutes, e.g. \`drain 45\` (got '$minutes')"; exit 2; }
-  local -A run=() pgid=()
-  for study in "${ORDER[@]}"; do
-    local pid
-    pid=$(main_pid "$study")
-    [ -n "$pid" ] && pgid[$study]=$(group_of "$pid")
+  local -A run=() pgid=() study=()
+  for name in "${ORDER[@]}"; do
+    for pid in $(pids_of "$name"); do
+      pgid[$pid]=$(group_of "$pid")
+      study[$pid]=$name
+    done
   done
   local deadline=$((SECONDS + minutes * 60))
   while [ ${#pgid[@]} -gt 0 ] && [ $SECONDS -lt $deadline ]; do
-    for study in "${!pgid[@]}"; do
-      [ -n "${run[$study]:-}" ] || run[$study]=$(locked_run "${pgid[$study]}")
-      if [ -z "$(main_pid "$study")" ]; then
-        echo "$study: its process ended"
-      elif [ -n "${run[$study]}" ] && [ -f "${run[$study]}/result.json" ]; then
-        kill -9 -- "-${pgid[$study]}" 2> /dev/null || true
-        echo "$study: $(basename "${run[$study]}") finished; ended before the next run"
+    for pid in "${!pgid[@]}"; do
+      [ -n "${run[$pid]:-}" ] || run[$pid]=$(locked_run "${pgid[$pid]}")
+      if ! alive "$pid"; then
+        echo "${study[$pid]}: its process ended"
+      elif [ -n "${run[$pid]}" ] && [ -f "${run[$pid]}/result.json" ]; then
+        kill -9 -- "-${pgid[$pid]}" 2> /dev/null || true
+        echo "${study[$pid]}: $(basename "${run[$pid]}") finished; ended before the next run"
       else
         continue
       fi
-      unset "pgid[$study]"
+      unset "pgid[$pid]"
     done
     [ ${#pgid[@]} -eq 0 ] || sleep "$poll"
   done
   if [ ${#pgid[@]} -gt 0 ]; then
-    echo "after $minutes minutes: ${!pgid[*]} still training; stopping with a checkpoint"
+    echo "after $minutes minutes: $(printf '%s\n' "${study[@]}" | sort -u | paste -sd' ') still training;" \
+         "stopping with a checkpoint"
     stop
   else
     carry
@@ -181,11 +203,11 @@ locked_run() {  # the run folder whose .lock a process of the group holds (empty
   done | head -1 | sed 's|/\.lock$||' || true
 }
 
-stop_lines() {  # the lines of the study's log that say a run stopped with a checkpoint
-  tr '\r' '\n' < "$STUDIES/$1/study.log" 2> /dev/null | grep 'received: stopped at step' || true
+stop_lines() {  # the lines of a process's log that say a run stopped with a checkpoint
+  tr '\r' '\n' < "$1" 2> /dev/null | grep 'received: stopped at step' || true
 }
 
 case "${1:-}" in
   restore|start|status|carry|stop|drain) "$@" ;;
-  *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

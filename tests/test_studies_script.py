@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ def studies_env(tmp_path, **extra):
 
 
 def studies(command, tmp_path):
-    done = subprocess.run(["bash", str(SCRIPT), command], env=studies_env(tmp_path), capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(["bash", str(SCRIPT), *command.split()], env=studies_env(tmp_path), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -104,31 +105,68 @@ while True:
 """
 
 
-def test_drain_ends_a_study_once_its_run_in_progress_has_finished_and_carries_it(tmp_path):
+def test_drain_ends_each_process_of_a_study_once_its_own_run_in_progress_has_finished_and_carries_it(tmp_path):
     out = tmp_path / "studies/deit_hc_attnres"
-    run = out / "runs/hc_d12_lr0.001_s4"
-    write(run / "config.yaml", "model: {}")
+    runs = [out / "runs/hc_d12_lr0.001_s4", out / "runs/mhc_d12_lr0.001_s4"]
+    for run in runs:
+        write(run / "config.yaml", "model: {}")
     (tmp_path / "studies/deit_hc_attnres/study.log").write_text("")
-    stand_in = subprocess.Popen([sys.executable, "-c", HOLDS_A_RUN, str(run / ".lock"), "scripts.compare", "--study",
-                                 "deit_hc_attnres", "--out", str(out), "--report", "r"],
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stand_ins = [subprocess.Popen([sys.executable, "-c", HOLDS_A_RUN, str(run / ".lock"), "scripts.compare",
+                                   "--study", "deit_hc_attnres", "--out", str(out), "--report", "r"],
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True) for run in runs]
     try:
-        assert stand_in.stderr.readline() == "ready\n"
+        assert [s.stderr.readline() for s in stand_ins] == ["ready\n"] * 2
+        assert "deit_hc_attnres: 0 finished; hc_d12_lr0.001_s4(no checkpoint) mhc_d12_lr0.001_s4(no checkpoint); " \
+               "running (2 processes)" in studies("status", tmp_path)
         drain = subprocess.Popen(["bash", str(SCRIPT), "drain", "5"], env=studies_env(tmp_path, DRAIN_POLL="1"),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):
             drain.wait(timeout=3)
-        assert stand_in.poll() is None
-        write(run / "result.json", json.dumps({"top1": 50.0}))  # the run finishes
+        assert [s.poll() for s in stand_ins] == [None, None]
+        write(runs[0] / "result.json", json.dumps({"top1": 50.0}))  # the first process's run finishes
+        assert stand_ins[0].wait(timeout=60) == -9
+        assert stand_ins[1].poll() is None and drain.poll() is None  # the other trains on
+        write(runs[1] / "result.json", json.dumps({"top1": 51.0}))
         said, err = drain.communicate(timeout=120)
         assert drain.returncode == 0, err
-        assert stand_in.wait(timeout=60) == -9
-        assert "deit_hc_attnres: hc_d12_lr0.001_s4 finished; ended before the next run" in said
-        assert "carried deit_hc_attnres/hc_d12_lr0.001_s4" in said
-        assert "deit_hc_attnres: 1 finished; nothing in progress; stopped" in said
+        assert stand_ins[1].wait(timeout=60) == -9
+        for run in runs:
+            assert f"deit_hc_attnres: {run.name} finished; ended before the next run" in said
+            assert f"carried deit_hc_attnres/{run.name}" in said
+        assert "deit_hc_attnres: 2 finished; nothing in progress; stopped" in said
     finally:
-        if stand_in.poll() is None:
-            stand_in.kill()
+        for stand_in in stand_ins:
+            if stand_in.poll() is None:
+                stand_in.kill()
+
+
+def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_one(tmp_path):
+    """`start 2` twice starts two processes per study, not four; `stop` reads each one's own log for its line."""
+    snapshot_python = tmp_path / "studies/code_737261e/.venv/bin/python"  # the snapshot's python: the stand-in
+    write(snapshot_python, f"#!/bin/sh\nexec {sys.executable} -c '{STAND_IN}' \"$@\"\n")
+    snapshot_python.chmod(0o755)
+    try:
+        said = studies("start", tmp_path) + studies("start 2", tmp_path) + studies("start 2", tmp_path)
+        logs = {study: [tmp_path / f"studies/{study}/study.log", tmp_path / f"studies/{study}/study2.log"]
+                for study in ("deit_hc_attnres", "dit_flow", "dit_hc_attnres")}
+        for study, (first, second) in logs.items():
+            assert said.count(f"{study} started; log") == 2
+            assert f"{study} started; log {first}" in said and f"{study} started; log {second}" in said
+            assert said.count(f"{study} runs already (pids ") == 2
+        for log in (log for pair in logs.values() for log in pair):  # every handler installed before the SIGTERM
+            for _ in range(600):
+                if log.is_file() and "ready" in log.read_text():
+                    break
+                time.sleep(0.1)
+            assert "ready" in log.read_text(), log
+        status = studies("status", tmp_path)
+        assert status.count("running (2 processes)") == 3, status
+        said = studies("stop", tmp_path)
+        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 6, said
+        for study in logs:
+            assert f"{study}: 0 finished; nothing in progress; stopped" in said
+    finally:
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "studies")], check=False)
 
 
 def test_drain_refuses_a_limit_that_is_not_whole_minutes_in_one_line(tmp_path):
