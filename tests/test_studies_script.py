@@ -4,9 +4,9 @@ that owns it, `stop` ends a study's processes once its run has said it checkpoin
 run in progress has finished."""
 import json
 import os
+import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -67,14 +67,15 @@ def test_restore_keeps_what_is_there_and_carry_takes_only_the_small_files_of_new
     assert studies("carry", tmp_path) == ""  # carried once
 
 
-STAND_IN = """
-import signal, sys
+STAND_IN_SAYING_READY = """
+import os, signal, sys
 signal.signal(signal.SIGTERM, lambda *_: print("\\rtrain 5/9\\rSIGTERM received: stopped at step 5 with a checkpoint "
                                               "(exit 4)", flush=True))  # then, as the snapshot does, runs on
-print("ready", file=sys.stderr, flush=True)
+{say_ready}
 while True:
     signal.pause()
 """
+STAND_IN = STAND_IN_SAYING_READY.format(say_ready='print("ready", file=sys.stderr, flush=True)')
 
 
 def test_stop_ends_a_study_once_its_run_says_it_checkpointed(tmp_path):
@@ -140,25 +141,34 @@ def test_drain_ends_each_process_of_a_study_once_its_own_run_in_progress_has_fin
                 stand_in.kill()
 
 
+# Started by `start`, so not a child of the test: it says it is ready through the FIFO named by $READY.
+STARTED_STAND_IN = STAND_IN_SAYING_READY.format(say_ready='open(os.environ["READY"], "w").write("ready\\n")')
+
+
 def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_one(tmp_path):
     """`start 2` twice starts two processes per study, not four; `stop` reads each one's own log for its line."""
     snapshot_python = tmp_path / "studies/code_737261e/.venv/bin/python"  # the snapshot's python: the stand-in
-    write(snapshot_python, f"#!/bin/sh\nexec {sys.executable} -c '{STAND_IN}' \"$@\"\n")
+    write(snapshot_python, f"#!/bin/sh\nexec {sys.executable} -c '{STARTED_STAND_IN}' \"$@\"\n")
     snapshot_python.chmod(0o755)
+    ready = tmp_path / "ready"
+    os.mkfifo(ready)
+    # Read-write: the FIFO never reaches end-of-file, so each stand-in's line waits here until it is read.
+    ready_fd = os.open(ready, os.O_RDWR)
     try:
-        said = studies("start", tmp_path) + studies("start 2", tmp_path) + studies("start 2", tmp_path)
+        said = "".join(subprocess.run(["bash", str(SCRIPT), *command.split()], check=True, capture_output=True,
+                                      text=True, env=studies_env(tmp_path, READY=str(ready))).stdout
+                       for command in ("start", "start 2", "start 2"))
         logs = {study: [tmp_path / f"studies/{study}/study.log", tmp_path / f"studies/{study}/study2.log"]
                 for study in ("deit_hc_attnres", "dit_flow", "dit_hc_attnres")}
         for study, (first, second) in logs.items():
             assert said.count(f"{study} started; log") == 2
             assert f"{study} started; log {first}" in said and f"{study} started; log {second}" in said
             assert said.count(f"{study} runs already (pids ") == 2
-        for log in (log for pair in logs.values() for log in pair):  # every handler installed before the SIGTERM
-            for _ in range(600):
-                if log.is_file() and "ready" in log.read_text():
-                    break
-                time.sleep(0.1)
-            assert "ready" in log.read_text(), log
+        said_ready = b""  # every handler installed before the SIGTERM
+        while said_ready.count(b"\n") < 6:
+            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the six processes"
+            said_ready += os.read(ready_fd, 4096)
+        assert said_ready == b"ready\n" * 6
         status = studies("status", tmp_path)
         assert status.count("running (2 processes)") == 3, status
         said = studies("stop", tmp_path)
@@ -166,6 +176,7 @@ def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_
         for study in logs:
             assert f"{study}: 0 finished; nothing in progress; stopped" in said
     finally:
+        os.close(ready_fd)
         subprocess.run(["pkill", "-9", "-f", str(tmp_path / "studies")], check=False)
 
 
