@@ -19,9 +19,9 @@ def studies_env(tmp_path, **extra):
     return {**os.environ, "STUDIES": str(tmp_path / "studies"), "RESULTS": str(tmp_path / "results"), **extra}
 
 
-def studies(command, tmp_path):
-    done = subprocess.run(["bash", str(SCRIPT), *command.split()], env=studies_env(tmp_path), capture_output=True,
-                          text=True, timeout=900)
+def studies(command, tmp_path, **env):
+    done = subprocess.run(["bash", str(SCRIPT), *command.split()], env=studies_env(tmp_path, **env),
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -155,9 +155,7 @@ def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_
     # Read-write: the FIFO never reaches end-of-file, so each stand-in's line waits here until it is read.
     ready_fd = os.open(ready, os.O_RDWR)
     try:
-        said = "".join(subprocess.run(["bash", str(SCRIPT), *command.split()], check=True, capture_output=True,
-                                      text=True, env=studies_env(tmp_path, READY=str(ready))).stdout
-                       for command in ("start", "start 2", "start 2"))
+        said = "".join(studies(command, tmp_path, READY=str(ready)) for command in ("start", "start 2", "start 2"))
         logs = {study: [tmp_path / f"studies/{study}/study.log", tmp_path / f"studies/{study}/study2.log"]
                 for study in ("deit_hc_attnres", "dit_flow", "dit_hc_attnres")}
         for study, (first, second) in logs.items():
