@@ -131,13 +131,38 @@ def evaluate(model: torch.nn.Module, loader, accelerator, compiled: bool = False
 
 def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
     """A config file (an :class:`EvalConfig`, or a ``vision.train`` run's config, of which the sections the two
-    schemas share are used) + overrides."""
+    schemas share are used) + overrides. Without weights (``checkpoint=``, or timm's ``model.pretrained=true``) it is
+    refused, naming the run's weights files: a random initialisation's score is no result."""
     values = read_yaml(path) if path else {}
     evaluation, training = ({f.name for f in dataclasses.fields(schema)} for schema in (EvalConfig, TrainConfig))
+    run_dirs = [Path(path).parent] if path else []
+    run_dirs += [Path(values["train"]["output_dir"])] if isinstance(values.get("train"), dict) and \
+        values["train"].get("output_dir") else []
     if set(values) & (training - evaluation):
         values = {k: v for k, v in values.items() if k in evaluation & training}
     values = deep_merge(values, parse_overrides(overrides))
-    return from_dict(EvalConfig, values)
+    cfg = from_dict(EvalConfig, values)
+    if cfg.checkpoint is None and not cfg.model.pretrained:
+        raise InputError(f"no weights to evaluate: without checkpoint= (and model.pretrained=false) the model would be "
+                         f"scored at its random initialisation; pass {suggest_weights(run_dirs)}")
+    return cfg
+
+
+def suggest_weights(run_dirs) -> str:
+    """The fix for an evaluation without weights: the weights of the run the config came from (its folder or its
+    ``train.output_dir``): the final files, else its newest checkpoint; else the forms ``checkpoint=`` takes."""
+    from common.train_state import CheckpointManager
+
+    for run_dir in run_dirs:
+        found = [run_dir / name for name in ("model.safetensors", "ema.safetensors") if (run_dir / name).is_file()]
+        if found:
+            return " or ".join(f"checkpoint={f}" for f in found) + " (the run's final weights" + \
+                (", raw or EMA)" if len(found) == 2 else ")")
+        checkpoints = CheckpointManager(run_dir / "checkpoints")
+        if checkpoints.steps():
+            return f"checkpoint={checkpoints.path_for(checkpoints.steps()[-1])} (the unfinished run's newest checkpoint)"
+    return ("checkpoint=FILE (a run's model.safetensors or ema.safetensors, a checkpoints/step_*.pt, a timm or "
+            "DeiT state dict), or model.pretrained=true for timm's own weights of model.name")
 
 
 def run(cfg: EvalConfig) -> dict:
