@@ -12,7 +12,7 @@ import hashlib
 import os
 import pickle
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -166,6 +166,17 @@ def save_weights(source: Union[nn.Module, StateDict], path: Union[str, os.PathLi
             with open(tmp, "wb") as f:
                 torch.save(state_dict, f)
     return path
+
+
+def upload_to_hub(push: Callable[[], object], repo_id: str, folder: Union[str, os.PathLike]) -> None:
+    """``push()``, which uploads the written ``folder`` to the Hugging Face repository ``repo_id``. Offline, without a
+    token or without rights it ends in one line saying why; the folder stays written, to upload later."""
+    try:
+        push()
+    except Exception as err:  # noqa: BLE001 - offline, no token, no rights: the folder is written either way
+        detail = str(err).splitlines()[0] if str(err) else "no message"
+        raise InputError(f"--push-to-hub {repo_id}: {type(err).__name__}: {detail} (the folder {folder} is written; "
+                         f"upload it later with `hf upload {repo_id} {folder}`)") from None
 
 
 def weights_fingerprint(state_dict: StateDict) -> str:

@@ -630,6 +630,33 @@ class Trainer:
         return final
 
 
+def run_state(run_dir: Union[str, Path]) -> dict:
+    """Where a run stands, for the commands that share its weights: ``final`` (its final metrics, None before it
+    finished), ``newest`` (its newest checkpoint's step, None without one), ``total_steps`` (from its start record,
+    None if unknown), ``finished`` (final metrics written and no checkpoint past them)."""
+    from common.logging import METRICS_FILE, read_metrics
+
+    run_dir = Path(run_dir)
+    final_file = run_dir / FINAL_METRICS_FILE
+    final = json.loads(final_file.read_text()) if final_file.is_file() else None
+    steps = CheckpointManager(run_dir / "checkpoints").steps()
+    newest = steps[-1] if steps else None
+    records = read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else []
+    total = next((r["total_steps"] for r in reversed(records) if "total_steps" in r), None)
+    finished = final is not None and (newest is None or newest <= final["steps"])  # not resumed for longer since
+    return {"final": final, "newest": newest, "total_steps": total, "finished": finished}
+
+
+def unfinished_run_error(run_dir: Union[str, Path], state: dict, trainer: str, exported: str) -> InputError:
+    """The refusal of an export of an unfinished run (``state``: :func:`run_state`): where it stands, how to finish it
+    (``trainer``, the command that trained it) and the flag that exports ``exported`` anyway."""
+    of_total = f" of {state['total_steps']}" if state["total_steps"] else ""
+    where = (f"it is at step {state['newest']}{of_total}" if state["newest"] is not None else "it has no checkpoint") \
+        + (f", resumed past its end at step {state['final']['steps']}" if state["final"] else "")
+    return InputError(f"{run_dir} is not finished ({where}; no final_metrics.json for it): finish it by rerunning "
+                      f"{trainer} with the same config, or export {exported} with --allow-unfinished")
+
+
 def run_cli(schema, train, argv, *, prog: str, description: str, examples: Sequence[str]) -> dict:
     """A trainer's command line: parse and validate the config, then run; bad input ends in one line. Nothing heavy
     is imported before the config is checked; a first line says what starts while the libraries load.

@@ -11,13 +11,17 @@
 
 Checkpoints are read as ``diffusion.sample`` reads them (the same ``--model``/``--image-size``/``--vae`` overrides for
 plain state dicts). The diffusers format carries the VAE the model decodes with (checked against the one its latents
-were encoded with); pixel-space models have none. What the folders hold and how to load them: docs/models.md.
+were encoded with); pixel-space models have none, and a model trained with SiT's transport (flow matching) exports as
+``--format hub`` only. A file of a ``diffusion.train`` run that has not finished is refused unless
+``--allow-unfinished`` (the summary records the run's step). What the folders hold and how to load them:
+docs/models.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 from common.cli import ArgumentParser, one_line_errors
 from diffusion.sampler import Decoder, SamplingError
@@ -36,6 +40,9 @@ def parse_args(argv=None):
                         "(DiffusionPipeline.from_pretrained(DIR, trust_remote_code=True))")
     p.add_argument("--weights", default=None, help="entry of a training checkpoint to export (default: ema)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload the folder to this Hub repository")
+    p.add_argument("--allow-unfinished", action="store_true",
+                   help="export a checkpoint of a run that has not finished (its ema.safetensors is the EMA of its "
+                        "newest checkpoint); refused otherwise")
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
     m.add_argument("--model", default=None, help="a DiT of diffusion.models.DiT_models: DiT-{S,B,L,XL}/{2,4,8}, e.g. DiT-XL/2")
     m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
@@ -45,9 +52,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def checkpoint_run(checkpoint: Path) -> Optional[Path]:
+    """The training run a checkpoint file belongs to: its folder (``ema.safetensors``, ``model.safetensors``) or the
+    one above (``checkpoints/step_*.pt``), where that holds the run's ``config.yaml``; None elsewhere."""
+    for folder in (checkpoint.parent, checkpoint.parent.parent):
+        if checkpoint.is_file() and (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+            return folder
+    return None
+
+
 def export(args) -> dict:
+    from common.checkpoint import upload_to_hub
+    from common.trainer import run_state, unfinished_run_error
     from diffusion.checkpoints import load_dit  # timm: once the command line is checked
 
+    run = checkpoint_run(Path(args.checkpoint))
+    state = run_state(run) if run is not None else None
+    if state is not None and not state["finished"] and not args.allow_unfinished:
+        raise unfinished_run_error(run, state, "diffusion.train", f"its {Path(args.checkpoint).name} as it is")
     if args.out.exists() and any(args.out.iterdir()):
         raise SamplingError(f"--out {args.out} is not empty; export into a new folder")
     overrides = {"name": args.model, "image_size": args.image_size, "num_classes": args.num_classes,
@@ -65,12 +87,11 @@ def export(args) -> dict:
     shared.save_pretrained(args.out)
     result = {"out": str(args.out), "format": args.format, "checkpoint": str(args.checkpoint), "weights": weights,
               "model": spec.name, "topology": spec.topology}
+    if state is not None:  # a run's file: how far the run got
+        step = state["newest"] if state["newest"] is not None else (state["final"] or {}).get("steps")
+        result.update(run=str(run), finished=state["finished"], step=step, total_steps=state["total_steps"])
     if args.push_to_hub:
-        try:
-            shared.push_to_hub(args.push_to_hub)
-        except Exception as err:  # noqa: BLE001 - offline, no token, no rights: the folder is written either way
-            raise SamplingError(f"--push-to-hub {args.push_to_hub}: {type(err).__name__}: {str(err).splitlines()[0]} "
-                                f"(the folder {args.out} is written; upload it later with `hf upload`)") from None
+        upload_to_hub(lambda: shared.push_to_hub(args.push_to_hub), args.push_to_hub, args.out)
         result["pushed_to"] = args.push_to_hub
     return result
 

@@ -44,3 +44,52 @@ def test_an_evaluation_without_weights_is_refused_naming_the_runs_weights_files(
     # a config copied elsewhere: the run is found by its train.output_dir
     (tmp_path / "copy.yaml").write_text((run / "config.yaml").read_text())
     assert f"checkpoint={run / 'model.safetensors'}" in refusal(main, ["--config", tmp_path / "copy.yaml"], capsys)
+
+
+# ------------------------------------------------------------------------------------------- exports
+
+@pytest.mark.fashion_mnist
+def test_vision_export_names_its_own_flag_for_a_run_without_an_ema_and_an_offline_push_is_one_line(tmp_path, capsys,
+                                                                                                   monkeypatch):
+    import huggingface_hub
+
+    from tests.test_export import train_tiny
+    from vision.export import main
+
+    train_tiny(tmp_path / "paused", "optim.epochs=2", "train.stop_at_step=1", "train.ema_decay=null")
+    line = refusal(main, ["--run", tmp_path / "paused", "--out", tmp_path / "x", "--weights", "ema",
+                          "--allow-unfinished"], capsys)
+    assert line == (f"error: {tmp_path / 'paused'} was trained without an EMA (train.ema_decay is null): export its raw "
+                    "weights with --weights model"), line
+    assert not (tmp_path / "x").exists()
+
+    train_tiny(tmp_path / "done", "optim.epochs=1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never an upload from a test
+    line = refusal(main, ["--run", tmp_path / "done", "--out", tmp_path / "hub", "--push-to-hub", "someone/deit"],
+                   capsys)
+    assert line.startswith("error: --push-to-hub someone/deit: OfflineModeIsEnabled: ") and line.endswith(
+        f"(the folder {tmp_path / 'hub'} is written; upload it later with `hf upload someone/deit {tmp_path / 'hub'}`)")
+    assert {p.name for p in (tmp_path / "hub").iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    assert 'timm.create_model("hf-hub:someone/deit", pretrained=True)' in (tmp_path / "hub" / "README.md").read_text()
+
+
+@pytest.mark.fashion_mnist
+def test_diffusion_export_refuses_an_unfinished_run_as_vision_export_does(tmp_path, capsys):
+    from diffusion.export import main
+    from diffusion.train import TrainConfig, train
+
+    run = tmp_path / "run"
+    train(load_config(TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml", [
+        "model.kwargs={hidden_size: 32, depth: 1, num_heads: 2}", "data.num_workers=0", "train.tensorboard=false",
+        "train.threads=1", "train.sample_every=0", "data.max_samples=16", "optim.batch_size=8", "optim.steps=4",
+        "train.stop_at_step=1", f"train.output_dir={run}"]))
+    for checkpoint in (run / "ema.safetensors", run / "checkpoints" / "step_000000001.pt"):
+        line = refusal(main, ["--checkpoint", checkpoint, "--out", tmp_path / "out", "--quiet"], capsys)
+        assert line == (f"error: {run} is not finished (it is at step 1 of 4; no final_metrics.json for it): finish it "
+                        f"by rerunning diffusion.train with the same config, or export its {checkpoint.name} as it is "
+                        "with --allow-unfinished"), line
+    assert not (tmp_path / "out").exists()
+    result = main(["--checkpoint", str(run / "ema.safetensors"), "--out", str(tmp_path / "out"), "--allow-unfinished",
+                   "--quiet"])
+    assert (result["finished"], result["step"], result["total_steps"]) == (False, 1, 4)
+    assert (tmp_path / "out" / "config.json").is_file()

@@ -9,10 +9,11 @@ weights the run's own evaluation reports: DeiT's recipe reports the raw model's 
 ``vision.task.REPORTED_WEIGHTS``), so ``model.safetensors``, not the EMA (``--weights ema``). The choice is printed
 and recorded in ``config.json`` under ``siamesenorm_export`` (weights, step, finished, the reported metric).
 
-The folder holds ``model.safetensors`` and timm's ``config.json``: the architecture (one of the registered
-``deit_*_<topology>_patch16_224``), the arguments it was built with (sizes, topology, image size), and a
-``pretrained_cfg`` with the run's evaluation preprocessing (input size, interpolation, crop, mean, std) and class
-names. Load it with timm's own machinery after ``import vision`` (which registers the topologies)::
+The folder holds ``model.safetensors``, timm's ``config.json`` (the architecture, one of the registered
+``deit_*_<topology>_patch16_224``; the arguments it was built with (sizes, topology, image size); a ``pretrained_cfg``
+with the run's evaluation preprocessing (input size, interpolation, crop, mean, std) and class names) and a model card,
+``README.md``, that says how to load it. ``--push-to-hub`` uploads that folder; offline or without a token it is one
+line, the folder stays. Load it with timm's own machinery after ``import vision`` (which registers the topologies)::
 
     import timm, vision
     model = timm.create_model("local-dir:exports/deit_tiny_siamese", pretrained=True)   # or "hf-hub:me/deit-t-siamese"
@@ -21,13 +22,13 @@ names. Load it with timm's own machinery after ``import vision`` (which register
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from common.checkpoint import CheckpointError
+from common.checkpoint import CheckpointError, upload_to_hub
 from common.cli import InputError, one_line_errors
+from common.durable import atomic_write_text
 
 WEIGHTS = ("reported", "model", "ema")
 METRIC_PREFIX = {"model": "val/", "ema": "val_ema/"}  # the evaluation's name for each set of weights
@@ -45,32 +46,21 @@ def class_names(data) -> Optional[Sequence[str]]:
     return sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
 
 
-def run_state(run_dir: Path) -> dict:
-    """Where a run stands: ``final`` (its final metrics, None before it finished), ``newest`` (its newest
-    checkpoint's step, None without one), ``total_steps`` (from its start record, None if unknown), ``finished``."""
-    from common.logging import read_metrics
-    from common.train_state import CheckpointManager
-    from common.trainer import FINAL_METRICS_FILE
-
-    final_file = run_dir / FINAL_METRICS_FILE
-    final = json.loads(final_file.read_text()) if final_file.is_file() else None
-    steps = CheckpointManager(run_dir / "checkpoints").steps()
-    newest = steps[-1] if steps else None
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    total = next((r["total_steps"] for r in reversed(records) if "total_steps" in r), None)
-    finished = final is not None and (newest is None or newest <= final["steps"])  # not resumed for longer since
-    return {"final": final, "newest": newest, "total_steps": total, "finished": finished}
-
-
 def choose_weights(run_dir: Path, weights: str, allow_unfinished: bool) -> dict:
     """What to export and why: ``{"weights", "source", "entry", "step", "finished", ...}``, or one-line refusal."""
+    import yaml
+
+    from common.trainer import run_state, unfinished_run_error
     from vision.task import REPORTED_METRIC, REPORTED_WEIGHTS
 
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir} is not a vision.train run (it has no config.yaml): pass the run's output_dir")
     chosen = REPORTED_WEIGHTS if weights == "reported" else weights
+    if chosen == "ema" and (yaml.safe_load((run_dir / "config.yaml").read_text()).get("train") or {}).get(
+            "ema_decay") is None:
+        raise InputError(f"{run_dir} was trained without an EMA (train.ema_decay is null): export its raw weights with "
+                         "--weights model")
     state = run_state(run_dir)
-    of_total = f" of {state['total_steps']}" if state["total_steps"] else ""
     record = {"weights": chosen, "chosen_by": ("the run's reported metric" if weights == "reported" else
                                                f"--weights {weights}"),
               "reported_metric": REPORTED_METRIC, "finished": state["finished"], "total_steps": state["total_steps"]}
@@ -85,12 +75,8 @@ def choose_weights(run_dir: Path, weights: str, allow_unfinished: bool) -> dict:
                 "top1": final.get(metric), "top1_metric": metric, "reported_top1": final.get(REPORTED_METRIC)}
     if state["newest"] is None:
         raise InputError(f"{run_dir} has no checkpoint and no final weights: nothing was trained yet")
-    where = (f"it is at step {state['newest']}{of_total}" + (f", resumed past its end at step {state['final']['steps']}"
-                                                            if state["final"] else ""))
     if not allow_unfinished:
-        raise InputError(f"{run_dir} is not finished ({where}; no final_metrics.json for it): finish it by rerunning "
-                         f"vision.train with the same config, or export step {state['newest']} with "
-                         "--allow-unfinished")
+        raise unfinished_run_error(run_dir, state, "vision.train", f"step {state['newest']}")
     from common.train_state import CheckpointManager
 
     return {**record, "source": str(CheckpointManager(run_dir / "checkpoints").path_for(state["newest"])),
@@ -108,7 +94,7 @@ def export_run(run_dir, out, weights: str = "reported", push_to_hub: Optional[st
     run_dir = Path(run_dir)
     choice = choose_weights(run_dir, weights, allow_unfinished)
     import vision  # noqa: F401  (registers the topologies)
-    from timm.models import push_to_hf_hub, save_for_hf
+    from timm.models import save_for_hf
 
     from vision.deit import build_model
     from vision.train import TrainConfig
@@ -123,10 +109,47 @@ def export_run(run_dir, out, weights: str = "reported", push_to_hub: Optional[st
     model_config = {"label_names": list(names)} if names and len(names) == model.num_classes else {}
     model_config["siamesenorm_export"] = choice
     save_for_hf(model.eval(), out, model_config=model_config, data_config=data_config, safe_serialization=True)
+    atomic_write_text(Path(out) / "README.md", model_card(cfg, choice, push_to_hub or f"local-dir:{out}"))
     if push_to_hub:
-        push_to_hf_hub(model, push_to_hub, model_config=model_config, data_config=data_config,
-                       safe_serialization=True)
+        import timm
+        from huggingface_hub import HfApi
+
+        def push():
+            api = HfApi(library_name="timm", library_version=timm.__version__)
+            repo = api.create_repo(push_to_hub, exist_ok=True).repo_id
+            api.upload_folder(repo_id=repo, folder_path=str(out), commit_message="Add model")
+
+        upload_to_hub(push, push_to_hub, out)  # the folder as written, its model card included
     return choice
+
+
+def model_card(cfg, choice: dict, source: str) -> str:
+    """The folder's README.md: what the model is, that this project's ``import vision`` registers its architecture
+    with timm (plain timm does not know it), how to load it from ``source``, which weights it holds."""
+    name = cfg.model.name
+    hub = source if source.startswith("local-dir:") else f"hf-hub:{source}"
+    weights = describe(choice).removeprefix("exporting ")
+    return f"""---
+library_name: timm
+tags: [image-classification, timm, siamesenorm]
+---
+# {name}
+
+A DeiT trained by `vision.train` of the SiameseNorm project ([arXiv 2602.08064](https://arxiv.org/abs/2602.08064)):
+{cfg.data.num_classes} classes, {cfg.data.input_size} px{f", residual topology `{cfg.model.kwargs['topology']}`"
+                                                         if "topology" in cfg.model.kwargs else ""}.
+
+timm alone does not know `{name}`: install the project this model was trained with (`pip install -e .` in its
+clone) and `import vision`, which registers its architectures with timm, before creating the model:
+
+```python
+import timm, vision                     # vision registers the residual topologies with timm
+model = timm.create_model("{hub}", pretrained=True).eval()
+transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))   # the run's evaluation preprocessing
+```
+
+Weights: {weights}. `config.json` records the choice under `siamesenorm_export`.
+"""
 
 
 def describe(choice: dict) -> str:
