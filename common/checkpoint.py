@@ -97,6 +97,23 @@ def unwrap_state_dict(obj, key: Optional[str] = None) -> dict:
     return out
 
 
+def weight_shapes(path: Union[str, os.PathLike]) -> dict:
+    """``{name: shape}`` of a weights file's tensors, unwrapped as :func:`load_weights` unwraps them, without reading
+    the tensors: a ``.safetensors`` header, or a torch file mapped into memory (read whole where it cannot be)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            raw = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    else:
+        try:
+            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - an old (not zip) torch file cannot be mapped; read_file names damage
+            raw = read_file(path)
+    return {k: tuple(v.shape) for k, v in unwrap_state_dict(raw).items()}
+
+
 def convert_state_dict(state_dict: StateDict, prefix_map: Mapping[str, str]) -> dict:
     """Rename keys by their leading prefix (first matching prefix wins)."""
     out = {}

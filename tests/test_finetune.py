@@ -91,7 +91,7 @@ def test_the_384_recipe_is_deits_fine_tune(tmp_path, topology, name):
 
 
 @pytest.mark.fashion_mnist
-def test_a_run_fine_tunes_a_32_px_run_at_48_px_with_layer_decay(tmp_path):
+def test_a_run_fine_tunes_a_32_px_run_at_48_px_with_layer_decay(tmp_path, capsys):
     from common.logging import read_metrics
     from vision.train import TrainConfig, train
 
@@ -105,3 +105,28 @@ def test_a_run_fine_tunes_a_32_px_run_at_48_px_with_layer_decay(tmp_path):
         "optim.layer_decay=0.75", f"train.output_dir={tmp_path / 'b'}"]))
     assert final["steps"] == 2 and final["nonfinite_steps"] == 0
     assert len([r for r in read_metrics(tmp_path / "b") if "train/loss" in r]) == 2
+    assert (f"fine-tuning from {tmp_path / 'a' / 'model.safetensors'}: position embedding resampled from a 4x4 grid to "
+            "6x6\n") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source, target, said", [
+    (dict(img_size=32, num_classes=5), dict(img_size=48, num_classes=5),
+     "position embedding resampled from a 4x4 grid to 6x6"),
+    (dict(img_size=32, num_classes=5), dict(img_size=32, num_classes=5, patch_size=4),
+     "position embedding resampled from a 4x4 grid to 8x8; patch embedding resampled from 8x8 to 4x4 pixels"),
+    (dict(img_size=32, num_classes=5), dict(img_size=32, num_classes=3),
+     "head.weight, head.bias, head_dist.weight, head_dist.bias reset to their initialisation (5 classes in the file, "
+     "3 here)"),
+    (dict(img_size=32, num_classes=5), dict(img_size=32, num_classes=5),
+     "every weight loaded as it is (the same grid, patch size and classes)")])
+def test_fine_tuning_says_what_it_resampled_and_reset(tmp_path, source, target, said):
+    from common.checkpoint import weight_shapes
+    from vision.task import finetune_changes
+
+    name = "deit_tiny_siamese_distilled_patch16_224"
+    save_weights(timm.create_model(name, **{**TINY, **source}), tmp_path / "w.safetensors")
+    torch.save({"model": timm.create_model(name, **{**TINY, **source}).state_dict()}, tmp_path / "step.pt")
+    for path in (tmp_path / "w.safetensors", tmp_path / "step.pt"):  # read from the header / mapped, not loaded
+        model = timm.create_model(name, **{**TINY, **target})
+        reset = load_finetune(model, path)
+        assert finetune_changes(model, weight_shapes(path), reset) == said

@@ -8,6 +8,7 @@ the final epoch, never the best one.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -33,6 +34,26 @@ def build_criterion(augment: AugmentConfig) -> torch.nn.Module:
     if augment.label_smoothing > 0:
         return LabelSmoothingCrossEntropy(smoothing=augment.label_smoothing)
     return torch.nn.CrossEntropyLoss()
+
+
+def finetune_changes(model: torch.nn.Module, shapes: dict, reset) -> str:
+    """What :func:`vision.deit.load_finetune` changed between a file (``shapes``: its tensors' shapes) and ``model``:
+    the position embedding's grid and the patch size resampled, the heads reset (``reset``, their keys)."""
+    changes = []
+    own = tuple(model.pos_embed.shape)
+    if shapes.get("pos_embed", own) != own:
+        prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
+        old = math.isqrt(shapes["pos_embed"][1] - prefix)
+        new = "x".join(map(str, model.patch_embed.grid_size))
+        changes.append(f"position embedding resampled from a {old}x{old} grid to {new}")
+    own = tuple(model.patch_embed.proj.weight.shape)
+    if shapes.get("patch_embed.proj.weight", own) != own:
+        old = "x".join(map(str, shapes["patch_embed.proj.weight"][2:]))
+        changes.append(f"patch embedding resampled from {old} to {'x'.join(map(str, own[2:]))} pixels")
+    if reset:
+        changes.append(f"{', '.join(reset)} reset to their initialisation ({shapes[reset[0]][0]} classes in the file, "
+                       f"{model.num_classes} here)")
+    return "; ".join(changes) or "every weight loaded as it is (the same grid, patch size and classes)"
 
 
 class DeiTTask(trainer.Task):
@@ -90,11 +111,12 @@ class DeiTTask(trainer.Task):
     def build_model(self) -> torch.nn.Module:
         model = build_model(self.cfg.model, self.cfg.data)
         if self.cfg.train.finetune:  # a resumed run then loads its own checkpoint over these weights
+            from common.checkpoint import weight_shapes
             from vision.deit import load_finetune
 
             reset = load_finetune(model, self.cfg.train.finetune)
-            self.accelerator.print(f"fine-tuning from {self.cfg.train.finetune}"
-                                   + (f"; reset to their initialisation: {', '.join(reset)}" if reset else ""))
+            changes = finetune_changes(model, weight_shapes(self.cfg.train.finetune), reset)
+            self.accelerator.print(f"fine-tuning from {self.cfg.train.finetune}: {changes}")
         if self.cfg.distill.on:
             model.set_distilled_training(True)  # training returns both heads' logits; evaluation their average
         return model
