@@ -288,6 +288,13 @@ def _coerce(value: Any, tp, where: str, construct: bool = True) -> Any:
     raise TypeError(f"config.py cannot validate annotation {tp!r} of {where}; use a simpler type")
 
 
+def did_you_mean(word, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice nearest a misspelt ``word`` (difflib's ratio, >= 0.6), or nothing: the
+    hint of every unknown name, a key or a model."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _build(cls: Type[T], values: Mapping, where: str = "", construct: bool = True) -> T:
     """The section ``cls`` from ``values``. ``construct=False``: only check keys, types and ranges, return the
     checked values; the root is checked that way first, so that a value out of range anywhere is refused before
@@ -298,9 +305,8 @@ def _build(cls: Type[T], values: Mapping, where: str = "", construct: bool = Tru
     if unknown:
         section = f"section {where!r}" if where else "the top level"
         k = unknown[0]
-        close = difflib.get_close_matches(str(k), list(fields), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown config key {k!r} in {section}{hint}; valid keys are: {', '.join(fields)}")
+        raise ConfigError(f"unknown config key {k!r} in {section}{did_you_mean(k, fields)}; valid keys are: "
+                          f"{', '.join(fields)}")
     kwargs = {}
     for name, f in fields.items():
         key = f"{where}.{name}" if where else name

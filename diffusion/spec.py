@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.cli import InputError
+from common.config import did_you_mean
 from common.residual import check_topology
 from diffusion.models import DIT_CONFIGS, DIT_TOPOLOGIES, DiT, DiT_models
 
@@ -27,7 +28,8 @@ def check_dit_arguments(name: str, topology: str, class_dropout_prob: float, kwa
     """What a DiT description may hold (a config's ``model:`` section, a checkpoint's metadata)."""
     check_topology(topology, DIT_TOPOLOGIES)
     if name not in DiT_models:
-        raise InputError(f"{where}name={name!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+        raise InputError(f"{where}name={name!r} is not a DiT{did_you_mean(name, DiT_models)}; choose one of "
+                         f"{', '.join(DiT_models)}")
     if not 0.0 <= class_dropout_prob < 1.0:
         raise InputError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
     allowed = [p for p in inspect.signature(DiT).parameters if p not in SPEC_OWN]
@@ -161,5 +163,6 @@ class DiTSpec:
                              f"official DiT-XL-2-256x256.pt): pass --model (one of {', '.join(DiT_models)}) and "
                              "--image-size")
         if values["name"] not in DiT_models:
-            raise InputError(f"--model {values['name']!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+            raise InputError(f"--model {values['name']!r} is not a DiT{did_you_mean(values['name'], DiT_models)}; "
+                             f"choose one of {', '.join(DiT_models)}")
         return cls.published(**values)

@@ -93,3 +93,23 @@ def test_diffusion_export_refuses_an_unfinished_run_as_vision_export_does(tmp_pa
                    "--quiet"])
     assert (result["finished"], result["step"], result["total_steps"]) == (False, 1, 4)
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------- names
+
+def test_a_misspelt_model_name_gets_the_nearest_name_as_a_misspelt_key_does(tmp_path, capsys):
+    import torch
+
+    from diffusion.export import main as export_main
+    from diffusion.train import main as dit_main
+    from vision.train import main as deit_main
+
+    line = refusal(deit_main, ["--config", ROOT / "configs/fmnist_deit_siamese.yaml",
+                               "model.name=deit_tiny_siamse_patch16_224"], capsys)
+    assert "unknown model 'deit_tiny_siamse_patch16_224' (did you mean 'deit_tiny_siamese_patch16_224'?)" in line
+    line = refusal(dit_main, ["--config", ROOT / "configs/fmnist_dit_siamese.yaml", "model.name=DiT-XL2"], capsys)
+    assert "model.name='DiT-XL2' is not a DiT (did you mean 'DiT-XL/2'?); choose one of DiT-S/2" in line, line
+    torch.save({"x_embedder.proj.weight": torch.zeros(1)}, tmp_path / "plain.pt")  # a state dict that names no model
+    line = refusal(export_main, ["--checkpoint", tmp_path / "plain.pt", "--out", tmp_path / "out", "--model", "DiT-B2",
+                                 "--image-size", "256"], capsys)
+    assert "--model 'DiT-B2' is not a DiT (did you mean 'DiT-B/2'?)" in line, line

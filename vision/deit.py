@@ -35,7 +35,7 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 
 from common.checkpoint import CheckpointError, convert_state_dict, load_weights, read_file, unwrap_state_dict
 from common.cli import InputError, InputNotFoundError
-from common.config import ConfigError
+from common.config import ConfigError, did_you_mean
 from common.residual import (
     MODEL_TOPOLOGIES,
     DyT,
@@ -418,7 +418,8 @@ def check_model_name(name: str, kwargs: dict) -> None:
     before any work, not a silently ignored setting. The schema itself is :class:`vision.config.ModelConfig`."""
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('_')[0]}*")[:12]
-        raise ConfigError(f"unknown model {name!r}; e.g. {', '.join(close) or 'see timm.list_models()'}. Ours: "
+        raise ConfigError(f"unknown model {name!r}{did_you_mean(name, timm.list_models())}; e.g. "
+                          f"{', '.join(close) or 'see timm.list_models()'}. Ours: "
                           "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
                           "deit_*_patch16_224)")
     check_model_kwargs(name, kwargs)
