@@ -1,4 +1,4 @@
-"""The paper's analysis tools, for any model built on :class:`common.residual.ResidualBlock` (and timm's DeiT).
+"""The paper's analysis tools, for any model built on :class:`common.topologies.ResidualBlock` (and timm's DeiT).
 
 Four diagnostics; each *computes* a plain dict of numbers from a model (or a run directory) and
 :func:`write_diagnostic` turns ``{label: result}`` into ``<kind>.json`` + ``<kind>.png``:
@@ -34,7 +34,7 @@ from torch import nn
 from common.cli import InputError
 from common.durable import atomic_write_text
 from common.plots import color_for, plain_ticks, plot_series, pyplot
-from common.residual import ResidualBlock, SiameseFusion
+from common.topologies import ResidualBlock, SiameseFusion
 
 PathLike = Union[str, os.PathLike]
 KINDS = ("hidden_state_norms", "layer_removal", "stream_contribution", "grad_norm")

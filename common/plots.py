@@ -1,9 +1,9 @@
 """What every figure the project writes shares: one colour per topology, curves of one point that still show, and
 tick labels that read as plain numbers.
 
-* :data:`TOPOLOGY_COLORS`: the colour of each topology, the same in the demo's loss curves, the comparison reports'
-  and the diagnostics; :func:`color_for` finds the topology in a label (``"siamese"``, ``"DeiT siamese"``,
-  ``"deit_siamese"``).
+* :data:`TOPOLOGY_COLORS`: the colour of each topology (its registration's), the same in the demo's loss curves, the
+  comparison reports' and the diagnostics; :func:`color_for` finds the topology in a label (``"siamese"``,
+  ``"DeiT siamese"``, ``"deit_siamese"``).
 * :func:`plot_series`: a curve; with one finite point, a marker and its value written beside it (a line through one
   point draws nothing).
 * :func:`plain_ticks`: no offset (``+1``, ``1e3``) or scientific labels on linear axes, and plain numbers instead of
@@ -15,10 +15,9 @@ import math
 import re
 from typing import Optional, Sequence
 
-TOPOLOGY_COLORS = {"pre": "tab:blue", "post": "tab:red", "siamese": "tab:green", "mixln": "tab:purple",
-                   "residual": "tab:orange", "sandwich": "tab:brown", "deepnorm": "tab:pink", "layerscale": "tab:olive",
-                   "dyt": "tab:cyan", "hc": "gold", "mhc": "darkgoldenrod", "attnres": "navy",
-                   "attnres_block": "slateblue"}
+from common.topologies import TOPOLOGIES
+
+TOPOLOGY_COLORS = {name: topology.color for name, topology in TOPOLOGIES.items()}
 
 
 def pyplot():

@@ -37,6 +37,7 @@ class _Module:
     lines: List[str]
     definitions: Dict[str, ast.stmt] = field(default_factory=dict)
     imports: Dict[str, Tuple[str, Optional[str]]] = field(default_factory=dict)  # local -> (module, name or None)
+    effects: List[ast.stmt] = field(default_factory=list)  # top-level calls, e.g. a registry's registrations
 
 
 def _bound_names(node: ast.stmt) -> Set[str]:
@@ -72,6 +73,8 @@ def _read_module(name: str) -> _Module:
             source_module = _absolute(node, package)
             for alias in node.names:
                 module.imports[alias.asname or alias.name] = (source_module, alias.name)
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            module.effects.append(node)
         else:
             for bound in _bound_names(node):
                 module.definitions[bound] = node
@@ -95,8 +98,9 @@ def _inner_project_imports(node: ast.stmt) -> List[ast.ImportFrom]:
             and not n.level and _is_project(n.module)]
 
 
-def bundle_source(roots: Sequence[Tuple[str, str]], title: str) -> str:
-    """The source of one module defining ``roots`` (``(module, name)`` pairs) and everything they refer to."""
+def bundle_source(roots: Sequence[Tuple[str, Optional[str]]], title: str) -> str:
+    """The source of one module defining ``roots`` (``(module, name)`` pairs) and everything they refer to;
+    ``(module, None)`` takes the module's top-level calls (registrations) and what they refer to."""
     modules: Dict[str, _Module] = {}
 
     def module(name: str) -> _Module:
@@ -116,7 +120,13 @@ def bundle_source(roots: Sequence[Tuple[str, str]], title: str) -> str:
             continue
         seen.add((module_name, name))
         mod = module(module_name)
-        if name in mod.definitions:
+        if name is None:
+            for node in mod.effects:
+                chosen[(module_name, node.lineno)] = (module_name, node)
+                todo += [(module_name, ref) for ref in _referenced_names(node)]
+            if module_name not in module_order:
+                module_order.append(module_name)
+        elif name in mod.definitions:
             node = mod.definitions[name]
             text = _statement_text(mod, node)
             for bound in _bound_names(node):

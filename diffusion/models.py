@@ -3,7 +3,7 @@
 The network follows the official facebookresearch/DiT model file (same module names, same
 initialisation, same timestep and position embeddings), so the official checkpoints load into the
 Pre-Norm model unchanged. Only the block wiring differs between topologies, and that lives in
-:mod:`common.residual` (one class per topology); a DiT block supplies the two sublayers
+:mod:`common.topologies` (one class per topology); a DiT block supplies the two sublayers
 ``gate * attn(modulate(h, shift, scale))`` and ``gate * mlp(modulate(h, shift, scale))``, where ``h``
 is the block's non-affine input LayerNorm output (docs/method.md section 3):
 
@@ -13,8 +13,8 @@ is the block's non-affine input LayerNorm output (docs/method.md section 3):
 * ``siamese`` -- ``X <- LN_post(X); Z = gate*F(modulate(LN_in(X + LN_pre(Y)))); X <- X + Z/c_l; Y <- Y + Z``
   with affine ``pre_norm{i}/post_norm{i}`` and a non-affine ``input_norm{i}``; after the last block
   ``fusion = LN_x(X) + LN_y(Y)`` feeds the final layer.
-* ``mixln``   -- ``post`` blocks first, ``pre`` blocks after (:func:`common.residual.block_topologies`).
-* ``residual`` (ResiDual) and ``deepnorm`` -- baselines from :mod:`common.residual`, with the gated sublayer.
+* ``mixln``   -- ``post`` blocks first, ``pre`` blocks after.
+* ``residual`` (ResiDual) and ``deepnorm`` -- baselines from :mod:`common.topologies`, with the gated sublayer.
 * ``hc``, ``mhc`` (Hyper-Connections, manifold-constrained), ``attnres``, ``attnres_block`` (Attention Residuals)
   -- the multi-stream and cross-layer designs, around DiT's own non-affine norms and gated sublayers.
 
@@ -47,20 +47,9 @@ from timm.layers import Attention, Mlp, PatchEmbed
 
 from common.cli import InputError
 from common.checkpoint import convert_state_dict
-from common.residual import (
-    LN_EPS,
-    ResidualBlock,
-    accumulated_stream,
-    block_topologies,
-    attnres_source_sublayers,
-    build_block,
-    build_fusion,
-    build_streams,
-    check_topology,
-    deepnorm_init_,
-)
+from common.topologies import LN_EPS, ResidualBlock, accumulated_stream, resolve_topology, topology_names
 
-DIT_TOPOLOGIES = ("pre", "post", "siamese", "mixln", "residual", "deepnorm", "hc", "mhc", "attnres", "attnres_block")
+DIT_TOPOLOGIES = topology_names("dit")
 
 Tensor = torch.Tensor
 
@@ -151,8 +140,8 @@ class DiTBlock(ResidualBlock):
     """DiT's sublayers (attention and MLP, each adaLN-Zero modulated and gated) for a residual topology.
 
     ``forward(state, c)`` computes the six modulation vectors from the conditioning ``c`` once and hands them to
-    the topology's update as the sublayers' ``ctx``. Build it on a topology with
-    :func:`common.residual.build_block`; ``**topology_options`` go to the topology.
+    the topology's update as the sublayers' ``ctx``. Built on a topology by
+    :meth:`common.topologies.TopologyPlan.build_block`; ``**topology_options`` go to the topology's block.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, layer_index: int = 0,
@@ -209,15 +198,10 @@ class DiT(nn.Module):
         class_dropout_prob: label dropout for classifier-free guidance (null class id ``num_classes``).
         num_classes: number of classes (1000 for ImageNet).
         learn_sigma: output ``2*in_channels`` channels (epsilon and the variance interpolation).
-        topology: ``pre`` (the published DiT), ``post``, ``siamese``, ``mixln``, ``residual``, ``deepnorm``, ``hc``,
-            ``mhc``, ``attnres`` or ``attnres_block``.
-        normalized_input, depth_scaling: SiameseNorm's ``LN_in`` and ``1/sqrt(2(l+1))`` (paper Table 3).
-        mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default a quarter of depth).
-        recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
-            (:class:`common.residual.SiameseNormBlock`).
-        hc_streams, hc_dynamic, mhc_sinkhorn_iters: ``hc``/``mhc`` (Hyper-Connections): streams ``n``, dynamic or
-            static connections, Sinkhorn-Knopp iterations.
-        attnres_block_size: ``attnres_block``: transformer blocks per AttnRes block (default: at most 8 blocks).
+        topology: ``pre`` (the published DiT), ``post``, ``siamese``, or another of :data:`DIT_TOPOLOGIES`.
+        **topology_options: the topology's options (``normalized_input``, ``depth_scaling``, ``recompute_norms``,
+            ``mixln_post_blocks``, ``hc_streams``, ...: each topology's registration in :mod:`common.topologies`
+            names its own and their defaults; an option of another topology is refused).
     """
 
     def __init__(
@@ -233,17 +217,10 @@ class DiT(nn.Module):
         num_classes: int = 1000,
         learn_sigma: bool = True,
         topology: str = "pre",
-        normalized_input: bool = True,
-        depth_scaling: bool = True,
-        mixln_post_blocks: Optional[int] = None,
-        recompute_norms: bool = False,
-        hc_streams: int = 4,
-        hc_dynamic: bool = True,
-        mhc_sinkhorn_iters: int = 20,
-        attnres_block_size: Optional[int] = None,
+        **topology_options,
     ):
         super().__init__()
-        check_topology(topology, DIT_TOPOLOGIES)
+        plan = resolve_topology(topology, depth, "dit", **topology_options)
         if input_size % patch_size:
             raise InputError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
                              "pick a latent size that is a multiple of the patch size")
@@ -256,7 +233,8 @@ class DiT(nn.Module):
         self.learn_sigma = learn_sigma
         self.num_classes = num_classes
         self.topology = topology
-        self.block_topologies = block_topologies(topology, depth, mixln_post_blocks)
+        self.topology_plan = plan
+        self.block_topologies = plan.block_topologies
         self.grad_checkpointing = False
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
@@ -265,17 +243,10 @@ class DiT(nn.Module):
         # A frozen parameter, not a buffer, so that the official checkpoints' `pos_embed` key and
         # parameter counts (which include it) match.
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
-        self.streams = build_streams(topology, hc_streams)
-        self.blocks = nn.ModuleList(
-            build_block(DiTBlock, block_topology, hidden_size, num_heads, mlp_ratio, layer_index=i,
-                        normalized_input=normalized_input, depth_scaling=depth_scaling, num_blocks=depth,
-                        recompute_norms=recompute_norms, hc_streams=hc_streams, hc_dynamic=hc_dynamic,
-                        mhc_sinkhorn_iters=mhc_sinkhorn_iters,
-                        attnres_source_sublayers=attnres_source_sublayers(topology, depth, attnres_block_size))
-            for i, block_topology in enumerate(self.block_topologies)
-        )
-        self.fusion = build_fusion(hidden_size, topology, last_block_topology=self.block_topologies[-1],
-                                   final_norm=False, norm_layer=affine_layer_norm)
+        self.streams = plan.streams()
+        self.blocks = nn.ModuleList(plan.build_block(DiTBlock, i, hidden_size, num_heads, mlp_ratio, layer_index=i)
+                                    for i in range(depth))
+        self.fusion = plan.output(hidden_size, affine_layer_norm, final_norm=False)
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights()
 
@@ -302,8 +273,7 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
         nn.init.zeros_(self.final_layer.linear.weight)
         nn.init.zeros_(self.final_layer.linear.bias)
-        if self.topology == "deepnorm":
-            deepnorm_init_(self.blocks)
+        self.topology_plan.init_weights(self.blocks)
 
     def set_grad_checkpointing(self, enable: bool = True):
         """Recompute each block in the backward pass (saves activation memory, costs ~one more forward)."""
@@ -326,7 +296,7 @@ class DiT(nn.Module):
         the residual streams (fp32 under bf16 autocast), so the diffusion loss is computed in fp32.
         ``t`` may be continuous (SiT's times in [0, 1]); the embedding takes any real value.
         ``hidden_after=k`` also returns the tokens ``(N, T, D)`` after block ``k`` (1-based; REPA aligns them):
-        :func:`common.residual.accumulated_stream`, ``embedding + sum of the updates``, the quantity Pre-Norm's
+        :func:`common.topologies.accumulated_stream`, ``embedding + sum of the updates``, the quantity Pre-Norm's
         stream is (``Y`` for SiameseNorm and ResiDual).
         """
         tokens = self.x_embedder(x) + self.pos_embed

@@ -24,11 +24,13 @@ import torch
 from diffusers import (AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTransformer2DModel, ImagePipelineOutput,
                        ModelMixin)
 
+from common.topologies import topology_modules
 from diffusion.gaussian_diffusion import GaussianDiffusion
 from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
 from diffusion.models import DiT, guide
 from diffusion.spec import DiTSpec
-from diffusion.sampler import SAMPLERS, SamplingError, guided_fn, model_fn_for, sample_generators, sample_loop
+from diffusion.sampler import (SAMPLERS, SamplingError, guided_fn, model_fn_for, resolve_guided_channels,
+                               sample_generators, sample_loop)
 
 
 def scheduler_for(spec: DiTSpec) -> DDPMScheduler:
@@ -50,7 +52,9 @@ def remote_code() -> Tuple[str, str]:
         return Path(__file__).stem, Path(__file__).read_text()
     # imported by name, so that the shipped copy of this function does not carry the bundler
     bundle_source = importlib.import_module("common.source_bundle").bundle_source
-    source = bundle_source([("diffusion.pipeline", "DiTSamplingPipeline"), ("diffusion.hub", "DiTModel")],
+    registrations = [(module, None) for module in topology_modules("dit")]  # every topology a DiTModel may have
+    source = bundle_source([("diffusion.pipeline", "DiTSamplingPipeline"), ("diffusion.hub", "DiTModel"),
+                            *registrations],
                            title="A SiameseNorm DiT as a diffusers pipeline: DiTSamplingPipeline and DiTModel (any "
                                  "topology)")
     return f"{REMOTE_CODE_PREFIX}_{hashlib.sha256(source.encode()).hexdigest()[:12]}", source
@@ -114,8 +118,9 @@ class DiTSamplingPipeline(DiffusionPipeline):
 
     def model_fn(self, labels: torch.Tensor, guidance_scale: float, guided_channels):
         """``(x_t, timesteps) -> output`` of the transformer for ``labels``, guided when ``guidance_scale != 1``."""
+        guided_channels = resolve_guided_channels(guided_channels, self.transformer.config.in_channels)
         if isinstance(self.transformer, DiT):
-            return model_fn_for(self.transformer, labels, guidance_scale, str(guided_channels))
+            return model_fn_for(self.transformer, labels, guidance_scale, guided_channels)
 
         def forward(x, t, y):
             return self.transformer(x, timestep=t, class_labels=y).sample
@@ -128,13 +133,14 @@ class DiTSamplingPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def __call__(self, class_labels: Sequence[int], num_inference_steps: int = 250, guidance_scale: float = 1.0,
-                 guided_channels: Union[int, str] = 3, generator: Union[torch.Generator, List[torch.Generator], None] = None,
+                 guided_channels: Union[int, str, None] = None, generator: Union[torch.Generator, List[torch.Generator], None] = None,
                  sampler: str = "ddpm", eta: float = 0.0, output_type: str = "pil", return_dict: bool = True):
         """Sample one image per class label.
 
         ``generator``: one CPU generator per sample (``sample_generators(seed, indices)`` gives the samples
         ``python -m diffusion.sample --seed seed`` makes at those indices), or one generator (or None: torch's global
-        one) that seeds them. ``sampler``: ``ddpm`` (ADM's evenly respaced steps, the learned variance) or ``ddim``
+        one) that seeds them. ``guided_channels``: the epsilon channels guided, a number or ``"all"``; by default
+        the official DiT's first 3 of 4, every channel of a model with fewer. ``sampler``: ``ddpm`` (ADM's evenly respaced steps, the learned variance) or ``ddim``
         (ADM's ddimN steps, noise ``eta``). ``output_type``: ``pil``, ``np`` or ``pt`` (images in [0, 1]), or
         ``latent`` (the denoised latents).
         """

@@ -56,6 +56,7 @@ from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
 from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.preemption import command_stop_signals, exit_when_stopped
+from common.topologies import topology_names
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
                                 class_names, sampling_objective, write_grid, write_sample_set)
@@ -185,8 +186,8 @@ def parse_args(argv=None):
                                                  "(linear path, velocity), as SiT's checkpoints")
     m.add_argument("--path", choices=PATHS, default=None, help="a transport model's path (plain SiT checkpoints)")
     m.add_argument("--prediction", choices=PREDICTIONS, default=None, help="a transport model's prediction")
-    m.add_argument("--topology", default=None, help="pre (the published DiT), post, siamese, mixln, residual, deepnorm, "
-                                                    "hc, mhc, attnres or attnres_block")
+    m.add_argument("--topology", default=None, help=f"one of {', '.join(topology_names('dit'))} (pre: the "
+                                                    "published DiT)")
     m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")

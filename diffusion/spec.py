@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.cli import InputError
 from common.config import did_you_mean
-from common.residual import check_topology
-from diffusion.models import DIT_CONFIGS, DIT_TOPOLOGIES, DiT, DiT_models
+from common.topologies import check_topology, option_names, resolve_topology
+from diffusion.models import DIT_CONFIGS, DiT, DiT_models
 
 
 def published_default(argument: str):
@@ -26,16 +26,22 @@ SPEC_OWN = ("input_size", "in_channels", "num_classes", "learn_sigma", "class_dr
 def check_dit_arguments(name: str, topology: str, class_dropout_prob: float, kwargs: Dict[str, Any],
                         where: str = "model.") -> None:
     """What a DiT description may hold (a config's ``model:`` section, a checkpoint's metadata)."""
-    check_topology(topology, DIT_TOPOLOGIES)
+    check_topology(topology, "dit")
     if name not in DiT_models:
         raise InputError(f"{where}name={name!r} is not a DiT{did_you_mean(name, DiT_models)}; choose one of "
                          f"{', '.join(DiT_models)}")
     if not 0.0 <= class_dropout_prob < 1.0:
         raise InputError(f"{where}class_dropout_prob={class_dropout_prob} must lie in [0, 1)")
-    allowed = [p for p in inspect.signature(DiT).parameters if p not in SPEC_OWN]
+    own = [p for p, v in inspect.signature(DiT).parameters.items() if p not in SPEC_OWN and v.kind != v.VAR_KEYWORD]
+    allowed = own + list(option_names())
     unknown = [k for k in kwargs if k not in allowed]
     if unknown:
         raise InputError(f"{where}kwargs has unknown DiT arguments {unknown}; valid: {', '.join(allowed)}")
+    depth = kwargs.get("depth", DIT_CONFIGS[name]["depth"])
+    try:  # the topology's own options, for the depth the model gets
+        resolve_topology(topology, depth, "dit", **{k: v for k, v in kwargs.items() if k in option_names()})
+    except InputError as err:
+        raise InputError(f"{where}kwargs: {err}") from None
 
 
 @dataclass

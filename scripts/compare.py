@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from common.cli import InputError, one_line_errors
+from common.topologies import topology_names
 from comparison.report import METRIC, write_objectives_report, write_report
 from comparison.runs import (DEFAULT_OBJECTIVE, RESULT_FILE, TASKS, RunSpec, RunStopped, check_run_settings,
                              run_one)
@@ -57,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="the short 2-core preset (~22 min for DeiT; default: the full CPU preset)")
     p.add_argument("--data", default="fashion_mnist", help="fashion_mnist (default) or an ImageFolder root with train/ and val/")
     p.add_argument("--image-size", type=int, default=32, help="ImageFolder data: resize/crop size (patch = size/4)")
-    p.add_argument("--topologies", nargs="+", help="e.g. pre post siamese mixln residual sandwich deepnorm layerscale dyt")
+    p.add_argument("--topologies", nargs="+", help=f"DeiT: {' '.join(topology_names('deit'))}; "
+                                                   f"DiT: {' '.join(topology_names('dit'))}")
     p.add_argument("--lrs", nargs="+", type=float, help="peak learning rates")
     p.add_argument("--depths", nargs="+", type=int, help="numbers of blocks")
     p.add_argument("--seeds", nargs="+", type=int, help="training seeds (data order, init, augmentation)")
@@ -119,10 +121,7 @@ def parse_args(argv=None):
             setattr(args, key, None)
     args.out = args.out or ROOT / "runs" / f"compare_{args.task}{'_quick' if args.quick else ''}"
     args.report = args.report or args.out
-    from common.residual import MODEL_TOPOLOGIES
-    from diffusion.models import DIT_TOPOLOGIES
-
-    allowed = MODEL_TOPOLOGIES if args.task == "deit" else DIT_TOPOLOGIES
+    allowed = topology_names(args.task)
     bad = [t for t in args.topologies if t not in allowed]
     if bad:
         p.error(f"--topologies {' '.join(bad)}: unknown for --task {args.task}; choose from {', '.join(allowed)}")

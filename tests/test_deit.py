@@ -7,7 +7,7 @@ import torch
 
 import vision  # noqa: F401  (registers our models)
 from common.checkpoint import load_weights
-from common.residual import ResidualBlock, block_topologies, build_block
+from common.topologies import ResidualBlock, resolve_topology
 from tests.deit_reference import siamese_deit_forward
 
 SMALL = dict(img_size=32, patch_size=4, num_classes=10, embed_dim=48, depth=4, num_heads=3)
@@ -110,7 +110,7 @@ class OneSublayer(ResidualBlock):
 
 def test_both_streams_receive_the_same_droppath_mask():
     torch.manual_seed(0)
-    block = build_block(OneSublayer, "siamese", 16, layer_index=2, drop_path=0.5).train()
+    block = resolve_topology("siamese", 3).build_block(OneSublayer, 2, 16, layer_index=2, drop_path=0.5).train()
     x, y = torch.randn(64, 5, 16), torch.randn(64, 5, 16)
     after_first = []  # X after the first sublayer is what LN_post of the second reads
     block.post_norm2.register_forward_hook(lambda m, args, out: after_first.append(args[0]))
@@ -149,7 +149,7 @@ def test_gradients_reach_every_parameter(topology, images):
 def test_mixln_block_topologies():
     model = timm.create_model("deit_tiny_mixln_patch16_224", **{**SMALL, "depth": 8})
     assert [b.topology for b in model.blocks] == ["post"] * 2 + ["pre"] * 6
-    assert block_topologies("mixln", 8, mixln_post_blocks=3) == ["post"] * 3 + ["pre"] * 5
+    assert resolve_topology("mixln", 8, mixln_post_blocks=3).block_topologies == ["post"] * 3 + ["pre"] * 5
     post = timm.create_model("deit_tiny_post_patch16_224", **SMALL)
     assert isinstance(post.norm, torch.nn.Identity)  # a Post-Norm stream is already normalised
 

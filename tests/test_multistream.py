@@ -1,4 +1,4 @@
-"""Hyper-Connections, mHC and Attention Residuals (common.residual) in DeiT and DiT: equal to the hyper-connections
+"""Hyper-Connections, mHC and Attention Residuals (common.topologies) in DeiT and DiT: equal to the hyper-connections
 package on the same weights, equal to a re-statement of the Attention Residuals equations, initialised as the papers
 say, and compiled, saved and loaded like the other topologies."""
 import math
@@ -10,7 +10,8 @@ import torch
 
 import vision  # noqa: F401  (registers our models)
 from common.checkpoint import load_weights, save_weights
-from common.residual import DepthAttention, HyperConnection, SoleSource, sinkhorn_knopp
+from common.topologies.depth_routing import DepthAttention, SoleSource
+from common.topologies.stream_mixing import HyperConnection, sinkhorn_knopp
 from diffusion.models import DiT
 from tests.test_deit import SMALL, randomize_
 

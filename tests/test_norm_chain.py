@@ -1,9 +1,10 @@
-"""common.residual.SiameseNormChain, SiameseNorm's fused norm chain, against the three norm modules it replaces."""
+"""common.topologies.fused_norm_chain.SiameseNormChain, SiameseNorm's fused norm chain, against the three norm modules it replaces."""
 import pytest
 import torch
 from torch import nn
 
-from common.residual import DyT, siamese_norm_chain
+from common.topologies import DyT
+from common.topologies.fused_norm_chain import siamese_norm_chain
 
 DIM = 12
 # DeiT: affine LN_in; DiT: non-affine LN_in (adaLN modulates outside); the "Normalized Input" ablation: no LN_in.

@@ -2,7 +2,7 @@
 
 The model is timm's :class:`~timm.models.vision_transformer.VisionTransformer` (patch embedding, position
 embedding, class token, pooling, head, weight init, pretrained loading, feature extraction) with its blocks
-replaced by :class:`DeiTBlock` (timm's attention and MLP) on a residual topology of :mod:`common.residual`.
+replaced by :class:`DeiTBlock` (timm's attention and MLP) on a residual topology of :mod:`common.topologies`.
 
 After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registry::
 
@@ -36,19 +36,14 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 from common.checkpoint import CheckpointError, convert_state_dict, load_weights, read_file, unwrap_state_dict
 from common.cli import InputError, InputNotFoundError
 from common.config import ConfigError, did_you_mean
-from common.residual import (
-    MODEL_TOPOLOGIES,
-    DyT,
+from common.topologies import (
     ResidualBlock,
     StreamFusion,
-    attnres_source_sublayers,
-    block_topologies,
-    build_block,
-    build_fusion,
-    build_streams,
-    check_topology,
-    deepnorm_init_,
+    TopologyPlan,
+    option_names,
     readout,
+    resolve_topology,
+    topology_names,
 )
 
 if TYPE_CHECKING:
@@ -62,7 +57,8 @@ class DeiTBlock(ResidualBlock):
 
     ``F1(h) = ls1(attn(h, attn_mask))``, ``F2(h) = ls2(mlp(h))``. Takes the keyword arguments timm's
     ``VisionTransformer`` passes to ``block_fn``; ``depth`` is the 0-based block index (timm's name for it).
-    Build it on a topology with :func:`common.residual.build_block`; ``**topology_options`` go to the topology.
+    Built on a topology by :meth:`common.topologies.TopologyPlan.build_block`; ``**topology_options`` go to the
+    topology's block.
     """
 
     def __init__(
@@ -135,84 +131,51 @@ def attention_mask(x: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> O
     return torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
 
 
-def deit_block(*, depth: int, topologies: Sequence[str], **kwargs) -> ResidualBlock:
-    """``block_fn`` for timm's ``VisionTransformer``: block ``depth`` on ``topologies[depth]``."""
-    return build_block(DeiTBlock, topologies[depth], depth=depth, num_blocks=len(topologies), **kwargs)
+def deit_block(*, depth: int, plan: TopologyPlan, **kwargs) -> ResidualBlock:
+    """``block_fn`` for timm's ``VisionTransformer``: block ``depth`` (timm's name for the index) of ``plan``."""
+    return plan.build_block(DeiTBlock, depth, depth=depth, **kwargs)
 
 
 class SiameseNormVisionTransformer(VisionTransformer):
     """timm ViT/DeiT whose blocks use a switchable residual topology.
 
     For the two-stream topologies (SiameseNorm, ResiDual) the blocks pass on ``(X, Y)`` and ``norm`` is the
-    output fusion (:func:`common.residual.build_fusion`) the head reads. The intermediates of
-    :meth:`forward_intermediates` (and so ``features_only=True``) are :func:`common.residual.readout` of the
+    output fusion (:meth:`common.topologies.TopologyPlan.output`) the head reads. The intermediates of
+    :meth:`forward_intermediates` (and so ``features_only=True``) are :func:`common.topologies.readout` of the
     streams after each block: what the head would read if the network ended there.
 
     Args:
-        topology: ``siamese`` (default), ``pre``, ``post``, ``mixln``, or a baseline: ``residual``
-            (ResiDual), ``sandwich`` (Peri-LN), ``deepnorm``, ``layerscale`` (Pre-Norm + LayerScale,
-            ``init_values`` default 1e-5, 1e-6 deeper than 18 blocks as in CaiT), ``dyt`` (Pre-Norm with
-            Dynamic Tanh for every LayerNorm), ``hc`` / ``mhc`` (Hyper-Connections, manifold-constrained),
-            ``attnres`` / ``attnres_block`` (Attention Residuals, full or over block sums). See :mod:`common.residual`.
-        normalized_input: SiameseNorm's ``LN_in`` (paper Table 3 "Normalized Input").
-        depth_scaling: SiameseNorm's ``1/sqrt(2(l+1))`` on the ``X`` update (Table 3 "Depth-wise Scaling").
-        recompute_norms: recompute SiameseNorm's norm chain in backward instead of storing it
-            (:class:`common.residual.SiameseNormBlock`).
-        mixln_post_blocks: Mix-LN only; number of leading Post-Norm blocks (default: a quarter of depth).
-        hc_streams: ``hc``/``mhc``: the expansion rate ``n``, streams carried (default 4).
-        hc_dynamic: ``hc``/``mhc``: input-dependent connections (the papers' dynamic form); False: static.
-        mhc_sinkhorn_iters: ``mhc``: Sinkhorn-Knopp iterations of the residual map (20, as the paper).
-        attnres_block_size: ``attnres_block``: transformer blocks per AttnRes block (default: at most 8 blocks).
-        **kwargs: every ``VisionTransformer`` argument (``img_size``, ``patch_size``, ``embed_dim``,
-            ``depth``, ``num_heads``, ``drop_path_rate``, ``num_classes``, ...).
+        topology: ``siamese`` (default), ``pre``, ``post``, ``mixln``, or another name of
+            :func:`common.topologies.topology_names` (``deit``); docs/method.md says what each computes.
+        **kwargs: the topology's options (``normalized_input``, ``depth_scaling``, ``recompute_norms``,
+            ``mixln_post_blocks``, ``hc_streams``, ...: each topology's registration names its own and their
+            defaults; an option of another topology is refused) and every ``VisionTransformer`` argument
+            (``img_size``, ``patch_size``, ``embed_dim``, ``depth``, ``num_heads``, ``drop_path_rate``, ...).
     """
 
-    def __init__(
-        self,
-        topology: str = "siamese",
-        normalized_input: bool = True,
-        depth_scaling: bool = True,
-        mixln_post_blocks: Optional[int] = None,
-        recompute_norms: bool = False,
-        hc_streams: int = 4,
-        hc_dynamic: bool = True,
-        mhc_sinkhorn_iters: int = 20,
-        attnres_block_size: Optional[int] = None,
-        **kwargs,
-    ):
-        check_topology(topology)
+    def __init__(self, topology: str = "siamese", **kwargs):
         if kwargs.get("block_fn") is not None:
             raise ValueError("block_fn is set by SiameseNormVisionTransformer; choose a `topology` instead")
-        depth = kwargs.get("depth", 12)
-        if topology == "layerscale" and not kwargs.get("init_values"):
-            kwargs["init_values"] = 1e-5 if depth <= 18 else 1e-6
-        if topology == "dyt":
-            kwargs["norm_layer"] = DyT
-        topologies = block_topologies(topology, depth, mixln_post_blocks)
-        block_fn = partial(deit_block, topologies=topologies, normalized_input=normalized_input,
-                           depth_scaling=depth_scaling, recompute_norms=recompute_norms, hc_streams=hc_streams,
-                           hc_dynamic=hc_dynamic, mhc_sinkhorn_iters=mhc_sinkhorn_iters,
-                           attnres_source_sublayers=attnres_source_sublayers(topology, depth, attnres_block_size))
-        super().__init__(block_fn=block_fn, **kwargs)
+        options = {k: kwargs.pop(k) for k in option_names() if k in kwargs}
+        plan = resolve_topology(topology, kwargs.get("depth", 12), "deit", **options)
+        for key, value in plan.model_defaults().items():  # LayerScale's init_values, DyT's norm_layer
+            kwargs[key] = kwargs.get(key) or value
+        super().__init__(block_fn=partial(deit_block, plan=plan), **kwargs)
         self.topology = topology
-        self.block_topologies = topologies
-        self.streams = build_streams(topology, hc_streams)
+        self.topology_plan = plan
+        self.block_topologies = plan.block_topologies
+        self.streams = plan.streams()
         # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
         # cannot pass through Sequential.forward.
         self.blocks = nn.ModuleList(self.blocks)
         # timm builds `norm` as a LayerNorm (Identity when pooling uses fc_norm); the stream fusion takes its place.
         norm_layer = get_norm_layer(kwargs.get("norm_layer")) or LayerNorm
-        self.norm = build_fusion(
-            self.embed_dim,
-            topology,
-            last_block_topology=topologies[-1] if topologies else "pre",
-            final_norm=not isinstance(self.norm, nn.Identity),
-            norm_layer=partial(norm_layer, device=kwargs.get("device"), dtype=kwargs.get("dtype")),
-        )
-        if topology == "deepnorm":
-            deepnorm_init_(self.blocks)
+        self.norm = plan.output(self.embed_dim, partial(norm_layer, device=kwargs.get("device"),
+                                                        dtype=kwargs.get("dtype")),
+                                final_norm=not isinstance(self.norm, nn.Identity))
+        plan.init_weights(self.blocks)
         if kwargs.get("device") is not None or kwargs.get("dtype") is not None:
-            # timm's factory arguments reach timm's layers; the stream and source parameters of common.residual follow
+            # timm's factory arguments reach timm's layers; the stream and source parameters of common.topologies follow
             self.to(device=kwargs.get("device"), dtype=kwargs.get("dtype"))
 
     def _embed(self, x: Tensor) -> Tensor:
@@ -253,7 +216,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
         """timm's ``forward_intermediates``: the features after the blocks in ``indices`` (the last ``n`` for an
         int, all for None), with timm's arguments and return forms.
 
-        The intermediate of block ``l`` is :func:`common.residual.readout` of its output state: the stream itself
+        The intermediate of block ``l`` is :func:`common.topologies.readout` of its output state: the stream itself
         for single-stream topologies (through the final norm with ``norm=True``); for SiameseNorm the output
         fusion applied to ``(X_l, Y_l)``, ``LN_x(X_l) + LN_y(Y_l)``, and with ``norm=True`` ``LN_out`` of that,
         exactly what the head would read if the network ended at block ``l``; for ResiDual ``X_l + LN(Y_l)``
@@ -370,8 +333,8 @@ _SIZES = {
     "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
     "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
 }
-_TOPOLOGIES = ("siamese", "post", "mixln", "residual", "sandwich", "deepnorm", "layerscale", "dyt", "hc", "mhc",
-               "attnres", "attnres_block")
+MODEL_TOPOLOGIES = topology_names("deit")
+_TOPOLOGIES = tuple(t for t in MODEL_TOPOLOGIES if t != "pre")  # Pre-Norm DeiT is timm's own deit_*_patch16_224
 
 MODEL_NAMES = tuple(f"deit_{size}_{topology}{distilled}_patch16_224" for distilled in ("", "_distilled")
                     for size in _SIZES for topology in _TOPOLOGIES)
@@ -391,8 +354,12 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> SiameseNormVisi
     )
 
 
+_REGISTERED: Dict[str, Dict] = {}  # name -> its size's and topology's constructor arguments
+
+
 def _register(size: str, topology: str, distilled: str):
     name = f"deit_{size}_{topology}{distilled}_patch16_224"
+    _REGISTERED[name] = {**_SIZES[size], "topology": topology}
 
     def factory(pretrained: bool = False, **kwargs) -> SiameseNormVisionTransformer:
         return _create(name, pretrained, **{**_SIZES[size], "topology": topology, **kwargs})
@@ -489,12 +456,17 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
     if module not in ("timm.models.vision_transformer", "timm.models.deit", SiameseNormVisionTransformer.__module__):
         return  # another timm family: timm's own TypeError is reported by build_model
     valid = set(inspect.signature(VisionTransformer).parameters)
-    if module == SiameseNormVisionTransformer.__module__:
-        valid |= set(inspect.signature(SiameseNormVisionTransformer).parameters)
+    ours = name in _REGISTERED
+    if ours:
+        valid |= {"topology", *option_names()}
     unknown = sorted(set(kwargs) - valid)
     if unknown:
         raise ConfigError(f"model.kwargs {unknown} are not arguments of {name}; valid ones include "
                           f"{', '.join(sorted(valid - {'kwargs'}))}")
-    if "topology" in kwargs and kwargs["topology"] not in MODEL_TOPOLOGIES:
-        raise ConfigError(f"model.kwargs.topology={kwargs['topology']!r} is not a topology; choose one of "
-                          f"{', '.join(MODEL_TOPOLOGIES)}")
+    if ours:  # the topology's own options, for the depth the model gets
+        arguments = {**_REGISTERED[name], **kwargs}
+        options = {k: arguments[k] for k in option_names() if k in arguments}
+        try:
+            resolve_topology(arguments["topology"], arguments["depth"], "deit", **options)
+        except InputError as err:
+            raise ConfigError(f"model.kwargs: {err}") from None
