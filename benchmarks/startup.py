@@ -7,7 +7,8 @@ For each entry point it times ``--help`` and one refused command line (an argume
 trainers the first progress line of a run that starts; each is the median of ``--repeats`` rounds, the commands of
 a round run one after the other, alternating with the bare ``import torch``, so a busy machine slows all alike. The
 goal: ``--help`` and an argument error within 1.5x of the bare import (the commands import torch themselves, and
-nothing heavier: timm, diffusers, accelerate, torch-fidelity, scipy load only once a command line is accepted).
+nothing heavier: timm, diffusers, accelerate, torch-fidelity, scipy, datasets, webdataset load only once a command
+line is accepted).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Dict, List, Optional, Sequence
 from benchmarks.harness import alternate, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("timm", "torchvision", "diffusers", "accelerate", "torch_fidelity", "scipy")
+HEAVY = ("timm", "torchvision", "diffusers", "accelerate", "torch_fidelity", "scipy", "datasets", "pyarrow",
+         "webdataset")
 BARE = ["-c", "import torch"]
 TARGET_RATIO = 1.5
 
@@ -36,6 +38,7 @@ ARGUMENT_ERRORS: Dict[str, List[str]] = {
     "diffusion.fid": ["--samples", "samples.npz", "--batch-size", "fifty"],
     "diffusion.export": ["--checkpoint", "runs/none/ema.safetensors", "--out", "exports/none", "--format", "onnx"],
     "diffusion.extract_latents": ["--data-path", "images", "--out", "latents", "--image-size", "100"],
+    "vision.shard": ["--data-path", "images", "--out", "shards", "--shard-size", "0"],
     "scripts.compare": ["--shard", "3/2"],
     "scripts.demo": ["--families", "gpt"],
 }

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from PIL import Image
@@ -24,7 +25,8 @@ from tqdm import tqdm
 
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, InputError, InputNotFoundError, one_line_errors
-from common.data import ImageFolderError, center_crop_arr, resolve_num_workers, scan_image_folder
+from common.data import ImageFolderError, center_crop_arr, resolve_num_workers
+from common.image_sets import FORMATS, FolderImages, open_encoded, open_image_set
 from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.durable import atomic_write_text
 from common.preemption import command_stop_signals, exit_when_stopped, stoppable_rounds
@@ -49,31 +51,39 @@ STORE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
 class ImageFiles(Dataset):
-    """The sorted file list of an ImageFolder; an item is ``(image or None, label, index, path, error)``
-    so that one unreadable file costs one skipped image, not the run."""
+    """The images of an ImageFolder (its sorted file list), WebDataset tars or a Hugging Face dataset
+    (:mod:`common.image_sets`); an item is ``(image or None, label, index, name, error)`` so that one unreadable image
+    costs one skipped image, not the run."""
 
-    def __init__(self, root: str, image_size: int):
+    def __init__(self, root: str, image_size: int, data_format: str = "imagefolder", split: Optional[str] = None):
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise InputNotFoundError(f"--data-path {root} is not a directory")
-        try:
-            self.classes, self.samples = scan_image_folder(self.root)
-        except ImageFolderError as err:
-            raise ImageFolderError(f"{root} is not an ImageFolder: {err}; it must hold one subfolder per class with "
-                                   "the images inside, e.g. IMAGENET/train/n01440764/*.JPEG") from None
+        if data_format == "imagefolder":
+            if not self.root.is_dir():
+                raise InputNotFoundError(f"--data-path {root} is not a directory")
+            try:
+                self.images = FolderImages(self.root)
+            except ImageFolderError as err:
+                raise ImageFolderError(f"{root} is not an ImageFolder: {err}; it must hold one subfolder per class "
+                                       "with the images inside, e.g. IMAGENET/train/n01440764/*.JPEG (shards: "
+                                       "--data-format)") from None
+        else:
+            self.images = open_image_set(data_format, root, split)
+        self.classes = self.images.classes
         self.image_size = image_size
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.images)
 
     def __getitem__(self, i: int):
-        path, label = self.samples[i]
-        name = os.path.relpath(path, self.root)
+        label = int(self.images.labels[i])
         try:
-            with Image.open(path) as image:
+            with Image.open(open_encoded(self.images.read(i))) as image:
                 image = image.convert("RGB")  # decodes now, so a truncated file fails here
-            return image_to_tensor(center_crop_arr(image, self.image_size)), label, i, name, None
+            return image_to_tensor(center_crop_arr(image, self.image_size)), label, i, None, None
         except Exception as err:  # noqa: BLE001 -- PIL raises many types for broken files
+            name = self.images.name(i)
+            if isinstance(self.images, FolderImages):
+                name = os.path.relpath(name, self.root)
             return None, label, i, name, f"{type(err).__name__}: {err}"
 
 
@@ -91,7 +101,12 @@ def parse_args(argv=None):
         "diffusion.extract_latents ...",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--data-path", required=True, help="ImageFolder root (one subfolder per class), e.g. IMAGENET/train")
+    p.add_argument("--data-path", required=True, help="ImageFolder root (one subfolder per class), e.g. IMAGENET/train; "
+                   "or its shards (--data-format)")
+    p.add_argument("--data-format", choices=FORMATS, default="imagefolder", help="how --data-path stores the images: "
+                   "class folders, WebDataset tars or a Hugging Face dataset (python -m vision.shard converts)")
+    p.add_argument("--split", default=None, help="hf: the split of a DatasetDict folder or of a Hub dataset (default: "
+                   "train)")
     p.add_argument("--out", required=True, help="output directory for the shards and metadata.json")
     p.add_argument("--vae", default=DEFAULT_VAE, help="local AutoencoderKL directory, or a Hugging Face id in your cache")
     p.add_argument("--allow-download", action="store_true", help="let diffusers download the VAE if it is not cached")
@@ -170,7 +185,7 @@ def write_metadata(out: Path, num_shards: int, settings: dict, latent_shape) -> 
 def extract(args) -> dict:
     from accelerate import Accelerator
 
-    files = ImageFiles(args.data_path, args.image_size)  # the input first: nothing loads for a wrong --data-path
+    files = ImageFiles(args.data_path, args.image_size, args.data_format, args.split)  # the input first
     if len(files) == 0:
         raise InputNotFoundError(f"no images found under {args.data_path}")
     accelerator = Accelerator(cpu=not cuda_available())  # cpu=True joins a gloo group under torchrun

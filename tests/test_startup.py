@@ -1,5 +1,5 @@
 """Start-up: every public entry point answers ``--help`` and refuses a bad command line before it imports anything
-heavy (timm, torchvision, diffusers, accelerate, torch-fidelity, scipy) or loads anything.
+heavy (timm, torchvision, diffusers, accelerate, torch-fidelity, scipy, datasets, webdataset) or loads anything.
 
 Structural, never timed: the modules a command loaded (``sys.modules`` after it ran as ``python -m`` runs it, and
 ``python -X importtime`` for a trainer's first line). The times themselves are ``python -m benchmarks.startup``'s

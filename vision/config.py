@@ -52,9 +52,10 @@ class DataConfig:
     """Where the images are and how evaluation sees them."""
 
     dataset: Literal["imagefolder", "fashion_mnist"] = "imagefolder"  # ImageNet layout, or Fashion-MNIST (CPU)
-    path: Optional[str] = None  # imagefolder: root holding <train_split>/ and <val_split>/; fashion_mnist: optional
-    train_split: str = "train"  # sub-folder of data.path
-    val_split: str = "val"  # sub-folder of data.path
+    path: Optional[str] = None  # imagefolder: root holding <train_split>/ and <val_split>/ (hf: or a Hub dataset); fashion_mnist: optional
+    format: Literal["imagefolder", "wds", "hf"] = "imagefolder"  # how data.path stores the images: class folders, WebDataset tars or a Hugging Face dataset (python -m vision.shard converts)
+    train_split: str = "train"  # sub-folder of data.path (hf: or a split of the dataset there)
+    val_split: str = "val"  # sub-folder of data.path (hf: or a split of the dataset there)
     num_classes: Annotated[int, Range(ge=1)] = 1000  # checked against the class folders
     input_size: Annotated[int, Range(ge=1)] = 224  # training crop and evaluation size, pixels
     crop_pct: Annotated[float, Range(gt=0, le=1)] = 0.875  # eval: resize to input_size / crop_pct, then center crop input_size
@@ -69,7 +70,14 @@ class DataConfig:
     def __post_init__(self):
         if self.dataset == "imagefolder" and not self.path:
             raise ConfigError("data.path is required for dataset=imagefolder: the directory that holds "
-                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG")
+                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG (or their "
+                              "shards, with data.format)")
+        if self.format != "imagefolder" and self.dataset != "imagefolder":
+            raise ConfigError(f"data.format={self.format} reads ImageNet-like data from data.path; "
+                              f"data.dataset={self.dataset} has its own files: leave data.format=imagefolder")
+        if self.format != "imagefolder" and self.backend == "dali":
+            raise ConfigError(f"data.backend=dali reads image files: it needs data.format=imagefolder (data.format="
+                              f"{self.format} runs on data.backend=torch)")
 
 
 @dataclass

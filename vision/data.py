@@ -1,11 +1,13 @@
-"""Image classification data for DeiT: ImageFolder (ImageNet layout) or Fashion-MNIST, image files, loaders.
+"""Image classification data for DeiT: ImageNet (a folder, WebDataset tars, a Hugging Face dataset) or
+Fashion-MNIST, image files, loaders.
 
 * :class:`DataConfig` (:mod:`vision.config`): the ``data:`` section of a recipe.
 * :func:`build_dataset`: ``imagefolder`` reads ``<path>/<split>/<class>/*.jpg`` (ImageNet: ``train/n01440764/
-  *.JPEG``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
-* :class:`ReadableImageFolder`: an unreadable image is replaced by the next readable one, with a warning
-  naming the file; ``skipped_images(dataset)`` counts the distinct files across DataLoader workers; in the val
-  split an unreadable image is left out of the metrics and named instead.
+  *.JPEG``) as ``data.format`` stores it (``wds``, ``hf``: :mod:`common.image_sets`, written by ``python -m
+  vision.shard``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
+* :class:`ReadableImages` (:class:`ReadableImageFolder` for a folder): an unreadable image is replaced by the next
+  readable one, with a warning naming it; ``skipped_images(dataset)`` counts the distinct images across DataLoader
+  workers; in the val split an unreadable image is left out of the metrics and named instead.
 * :func:`load_rgb` / :func:`load_rgb_tensor`: an image file as RGB (PIL, or uint8 tensor for the device-side
   augmentation of :mod:`vision.augment`).
 * :func:`build_eval_loader` (the training loader is :func:`common.data.build_train_loader`).
@@ -22,86 +24,91 @@ import torch
 import torchvision
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision.datasets import ImageFolder
 
 from common.cli import InputError
-from common.data import (FashionMNIST, ImageFolderError, add_note, ignore_in_workers, resolve_num_workers,
-                         scan_image_folder)
+from common.data import FashionMNIST, ImageFolderError, add_note, ignore_in_workers, resolve_num_workers
+from common.image_sets import FolderImages, ImageSet, open_encoded, open_image_set
 from vision.config import DataConfig
 
 
 # ----------------------------------------------------------------------------- datasets
 
-class ReadableImageFolder(ImageFolder):
-    """``torchvision.datasets.ImageFolder`` that survives unreadable files, and says which they were.
+class ReadableImages(Dataset):
+    """A labelled image set (:mod:`common.image_sets`: a folder, WebDataset tars, a Hugging Face dataset) that
+    survives unreadable images, and says which they were.
 
-    A file that cannot be decoded is flagged (a byte per file, shared across DataLoader workers) and named in a
+    An image that cannot be decoded is flagged (a byte per image, shared across DataLoader workers) and named in a
     warning the first time. What the dataset returns instead depends on ``substitute``:
 
-    * ``True`` (training): the next readable image of the folder list, so batch shapes, and hence DDP, stay intact;
+    * ``True`` (training): the next readable image of the set, so batch shapes, and hence DDP, stay intact;
     * ``False`` (evaluation): a placeholder image with target ``-1 - index``, which :func:`vision.evaluate.evaluate`
       leaves out of every metric and reports by name: Top-1 is computed on exactly the readable images.
 
-    Only reading is guarded: an error of the transform is a bug, so it propagates (and names the file).
-    ``loader``: path -> image, by default :func:`load_rgb` (RGB PIL image); :func:`load_rgb_tensor` (uint8
-    tensor) for the ``use_prefetcher`` transform.
+    Only reading is guarded: an error of the transform is a bug, so it propagates (and names the image).
+    ``loader``: a path or encoded bytes -> image, by default :func:`load_rgb` (RGB PIL image); :func:`load_rgb_tensor`
+    (uint8 tensor) for the ``use_prefetcher`` transform. ``limit`` keeps the first ``limit`` images.
     """
 
-    def __init__(self, root, transform=None, limit: Optional[int] = None, loader: Callable = None,
+    def __init__(self, images: ImageSet, transform=None, limit: Optional[int] = None, loader: Callable = None,
                  substitute: bool = True):
-        self._scanned = scan_image_folder(root)  # torchvision's classes and order, loops and empty classes refused
-        super().__init__(root, transform=transform, loader=loader or load_rgb)
-        if limit is not None:
-            self.samples = self.samples[:limit]
-            self.targets = self.targets[:limit]
-            self.imgs = self.samples
+        self.images = images
+        self.classes = list(images.classes)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples = images.samples  # (name, label) pairs
+        self.length = len(images) if limit is None else min(limit, len(images))
+        self.transform = transform
+        self.loader = loader or load_rgb
         self.substitute = substitute
-        self.unreadable = multiprocessing.Array("b", len(self.samples), lock=False)  # shared with the workers
+        self.unreadable = multiprocessing.Array("b", self.length, lock=False)  # shared with the workers
 
-    def find_classes(self, directory):
-        classes = self._scanned[0]
-        return classes, {name: i for i, name in enumerate(classes)}
-
-    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
-        return self._scanned[1]
+    def __len__(self) -> int:
+        return self.length
 
     def _read(self, i: int):
-        path = self.samples[i][0]
         try:
-            return self.loader(path)
+            return self.loader(self.images.read(i))
         except Exception as err:  # PIL raises OSError, ValueError or SyntaxError for broken files
             if not self.unreadable[i]:
                 self.unreadable[i] = 1
-                warnings.warn(f"skipping unreadable image {path} ({type(err).__name__}: {err})")
+                warnings.warn(f"skipping unreadable image {self.images.name(i)} ({type(err).__name__}: {err})")
             return None
 
-    def _transform(self, image, path):
+    def _transform(self, image, i: Optional[int]):
         if self.transform is None:
             return image
         try:
             return self.transform(image)
         except Exception as err:
-            add_note(err, f"while transforming {path}")
+            add_note(err, f"while transforming {'<placeholder>' if i is None else self.images.name(i)}")
             raise
 
     def __getitem__(self, index: int):
         if not self.substitute:
             image = self._read(index)
             if image is None:  # evaluated as "not an image": left out of the metrics and named
-                return self._transform(Image.new("RGB", (8, 8)), "<placeholder>"), -1 - index
-            return self._transform(image, self.samples[index][0]), self.samples[index][1]
-        for attempt in range(min(len(self.samples), 100)):
-            i = (index + attempt) % len(self.samples)
+                return self._transform(Image.new("RGB", (8, 8)), None), -1 - index
+            return self._transform(image, index), int(self.images.labels[index])
+        for attempt in range(min(self.length, 100)):
+            i = (index + attempt) % self.length
             image = self._read(i)
             if image is not None:
-                return self._transform(image, self.samples[i][0]), self.samples[i][1]
-        raise RuntimeError(f"no readable image among 100 files starting at {self.samples[index][0]}; "
-                           "check the dataset files")
+                return self._transform(image, i), int(self.images.labels[i])
+        raise RuntimeError(f"no readable image among 100 starting at {self.images.name(index)}; check the dataset files")
+
+
+class ReadableImageFolder(ReadableImages):
+    """:class:`ReadableImages` of an ImageFolder (``root/<class>/**/<image>``), in torchvision's class and file order
+    (symlink loops and empty classes refused by name)."""
+
+    def __init__(self, root, transform=None, limit: Optional[int] = None, loader: Callable = None,
+                 substitute: bool = True):
+        super().__init__(FolderImages(root), transform, limit, loader, substitute)
+        self.samples = self.images.samples[: self.length]  # (path, label), as torchvision's ImageFolder lists them
 
 
 def unreadable_flags(dataset: Dataset) -> Optional[torch.Tensor]:
-    """One uint8 flag per file of a (possibly wrapped) :class:`ReadableImageFolder`: 1 = found unreadable so far
-    in any worker; None for datasets without files."""
+    """One uint8 flag per image of a (possibly wrapped) :class:`ReadableImages`: 1 = found unreadable so far in any
+    worker; None for datasets without files."""
     while not hasattr(dataset, "unreadable") and hasattr(dataset, "dataset"):
         dataset = dataset.dataset
     flags = getattr(dataset, "unreadable", None)
@@ -146,58 +153,64 @@ def check_same_classes(train: Dataset, val: Dataset) -> None:
 
 
 def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[Callable] = None) -> Dataset:
-    """The ``train`` or ``val`` split (named by ``cfg.train_split`` / ``cfg.val_split`` on disk).
+    """The ``train`` or ``val`` split (named by ``cfg.train_split`` / ``cfg.val_split`` on disk), stored as
+    ``cfg.format`` says.
 
-    ``loader`` reads an image file (imagefolder only); the default is :func:`load_rgb`.
+    ``loader`` decodes an image (a path or its bytes); the default is :func:`load_rgb`.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split {split!r}; use 'train' or 'val'")
     limit = cfg.max_train_samples if split == "train" else cfg.max_val_samples
+    on_disk = cfg.train_split if split == "train" else cfg.val_split
     if cfg.dataset == "fashion_mnist":
         dataset = FashionMNIST("train" if split == "train" else "test", root=cfg.path, transform=transform,
                                mode="RGB", limit=limit)
-        n_classes = len(FashionMNIST.classes)
-    else:
-        folder = _check_image_folder(Path(cfg.path), cfg.train_split if split == "train" else cfg.val_split)
+    elif cfg.format == "imagefolder":
+        folder = _check_image_folder(Path(cfg.path), on_disk)
         try:
             dataset = ReadableImageFolder(folder, transform=transform, limit=limit, loader=loader,
                                           substitute=split == "train")
         except ImageFolderError as err:
             raise ImageFolderError(f"{err}; expected the layout {_layout(folder.parent, folder.name)}") from None
-        n_classes = len(dataset.classes)
-    if n_classes != cfg.num_classes:
-        raise InputError(f"the {split} set has {n_classes} classes but data.num_classes={cfg.num_classes}; "
-                         f"set data.num_classes={n_classes} (or point data.path at the right folder)")
+    else:
+        dataset = ReadableImages(open_image_set(cfg.format, cfg.path, on_disk), transform=transform, limit=limit,
+                                 loader=loader, substitute=split == "train")
+    if len(dataset.classes) != cfg.num_classes:
+        raise InputError(f"the {split} set has {len(dataset.classes)} classes but data.num_classes={cfg.num_classes}; "
+                         f"set data.num_classes={len(dataset.classes)} (or point data.path at the right folder)")
     return dataset
 
 
 # ----------------------------------------------------------------------------- image files
 
 def load_rgb(path) -> Image.Image:
-    """An image file as a decoded RGB PIL image: torchvision's PIL loader without its extra copy of images that
-    are RGB already (``convert("RGB")`` copies them); the same pixels."""
-    with open(path, "rb") as f:
+    """An image file (a path, or its bytes read from a shard) as a decoded RGB PIL image: torchvision's PIL loader
+    without its extra copy of images that are RGB already (``convert("RGB")`` copies them); the same pixels."""
+    with open_encoded(path) as f:
         image = Image.open(f)
         image.load()
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def load_rgb_tensor(path) -> torch.Tensor:
-    """An image file as uint8 RGB ``(3, H, W)`` (channels-last memory), for the ``use_prefetcher`` transform.
+    """An image file (a path, or its bytes read from a shard) as uint8 RGB ``(3, H, W)`` (channels-last memory), for the ``use_prefetcher`` transform.
 
     Decoded by torchvision.io (libjpeg-turbo, libpng, libwebp straight into the tensor, without Pillow's
     RGBX -> RGB repacking; ``python -m benchmarks.data_feed --breakdown`` times both); the pixels equal Pillow's ``convert("RGB")`` for JPEG
     (YCbCr, grayscale, CMYK), PNG (8-bit, palette, alpha) and WebP. Files it does not decode as one
     8-bit image (BMP, TIFF, 16-bit PNG, animations), and every file once torchvision drops these decoders
     (deprecated in 0.29 in favour of TorchCodec), go through :func:`load_rgb`; broken files raise Pillow's
-    error, so ReadableImageFolder skips them.
+    error, so ReadableImages skips them.
     """
     decode = getattr(getattr(torchvision, "io", None), "decode_image", None)
     if decode is not None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
-                image = decode(torchvision.io.read_file(str(path)), mode=torchvision.io.ImageReadMode.RGB)
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")  # decoding only reads
+                data = (torch.frombuffer(path, dtype=torch.uint8) if isinstance(path, (bytes, bytearray))
+                        else torchvision.io.read_file(str(path)))
+                image = decode(data, mode=torchvision.io.ImageReadMode.RGB)
             if image.dtype == torch.uint8 and image.ndim == 3:
                 return image
         except RuntimeError:
