@@ -33,7 +33,7 @@ from torch import nn
 
 from common.cli import InputError
 from common.durable import atomic_write_text
-from common.plots import color_for, plain_ticks, plot_series, pyplot
+from common.plots import color_for, plain_ticks, plot_series, pyplot, series_style
 from common.topologies import ResidualBlock, SiameseFusion
 
 PathLike = Union[str, os.PathLike]
@@ -187,14 +187,21 @@ def grad_norm_trace(run_dir: PathLike) -> dict:
 
 # ----------------------------------------------------------------------------- plots and files
 
-_STREAM_NAMES = {"h": "", "x": " X (post-norm stream)", "y": " Y (pre-norm stream)"}
+_STREAM_NAMES = {"h": "", "x": " X (post-norm stream)", "y": " Y (pre-norm stream)", "v": " newest source"}
+
+
+def stream_label(stream: str) -> str:
+    """What a legend adds to a run's label for one of its streams (:func:`_streams`' names; ``s<i>``: stream i + 1)."""
+    return _STREAM_NAMES[stream] if stream in _STREAM_NAMES else f" stream {int(stream[1:]) + 1}"
 
 
 def _plot_hidden_state_norms(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
+        streams = [s for s in r["norms"] if s.startswith("s")]  # Hyper-Connections' n streams
         for stream, values in r["norms"].items():
-            plot_series(ax, r["layers"], values, label=f"{label}{_STREAM_NAMES.get(stream, stream)}",
-                        color=color_for(label), marker="o", ms=3, ls="--" if stream == "x" else "-")
+            style = {"marker": "o", "ls": "--" if stream == "x" else "-",
+                     **series_style(label, streams.index(stream) if stream in streams else 0, len(streams))}
+            plot_series(ax, r["layers"], values, label=f"{label}{stream_label(stream)}", ms=3, **style)
     ax.set_xlabel("layer (0 = embedding, l = after block l)")
     ax.set_ylabel("mean token L2 norm")
     ax.set_yscale("log")
@@ -203,7 +210,7 @@ def _plot_hidden_state_norms(ax, results: Mapping[str, dict]) -> None:
 
 def _plot_layer_removal(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
-        plot_series(ax, r["layers"], r["loss_increase"], label=label, color=color_for(label), marker="o", ms=3)
+        plot_series(ax, r["layers"], r["loss_increase"], label=label, ms=3, **{"marker": "o", **series_style(label)})
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("dropped block")
     ax.set_ylabel("held-out loss increase")
@@ -228,7 +235,7 @@ def _plot_stream_contribution(ax, results: Mapping[str, dict]) -> None:
 
 def _plot_grad_norm(ax, results: Mapping[str, dict]) -> None:
     for label, r in results.items():
-        plot_series(ax, r["steps"], r["grad_norm"], label=label, color=color_for(label), ms=4)
+        plot_series(ax, r["steps"], r["grad_norm"], label=label, ms=4, **series_style(label))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("global grad norm (window mean)")
     ax.set_yscale("log")

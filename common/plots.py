@@ -4,6 +4,9 @@ tick labels that read as plain numbers.
 * :data:`TOPOLOGY_COLORS`: the colour of each topology (its registration's), the same in the demo's loss curves, the
   comparison reports' and the diagnostics; :func:`color_for` finds the topology in a label (``"siamese"``,
   ``"DeiT siamese"``, ``"deit_siamese"``).
+* :func:`series_style`: the rest of a curve's style: each of a run's several streams (Hyper-Connections' ``n``) its
+  own dash and marker, and Pre-Norm, the baseline, a wide band behind the others, so that curves lying on it leave it
+  visible.
 * :func:`plot_series`: a curve; with one finite point, a marker and its value written beside it (a line through one
   point draws nothing).
 * :func:`plain_ticks`: no offset (``+1``, ``1e3``) or scientific labels on linear axes, and plain numbers instead of
@@ -41,6 +44,23 @@ def color_for(label: str) -> Optional[str]:
     """The topology's colour (None for a label that names no topology: matplotlib's next colour)."""
     topology = topology_of(label)
     return TOPOLOGY_COLORS[topology] if topology else None
+
+
+BASELINE = "pre"  # the topology every other one is read against
+STREAM_DASHES = ("-", "--", "-.", ":")
+STREAM_MARKERS = ("o", "s", "^", "v")
+
+
+def series_style(label: str, stream: int = 0, streams: int = 1) -> dict:
+    """``plot_series`` keywords for the curve ``label`` names (its stream ``stream`` of ``streams``): the topology's
+    colour; several streams of one run each their own dash and marker; the baseline (Pre-Norm) a wide, light band
+    drawn behind the other curves, which would otherwise hide it where they coincide."""
+    style = {"color": color_for(label)}
+    if streams > 1:
+        style.update(ls=STREAM_DASHES[stream % len(STREAM_DASHES)], marker=STREAM_MARKERS[stream % len(STREAM_MARKERS)])
+    if topology_of(label) == BASELINE:
+        style.update(lw=4, alpha=0.45, zorder=1.5)  # lines draw at zorder 2: the others on top of it
+    return style
 
 
 def plot_series(ax, xs: Sequence[float], ys: Sequence[float], label: Optional[str] = None, color: Optional[str] = None,

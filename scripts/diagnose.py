@@ -15,9 +15,6 @@ import sys
 from pathlib import Path
 from typing import Dict
 
-from comparison.diagnose import diagnose_deit_run, diagnose_dit_run, is_dit_run
-from common.diagnostics import write_diagnostic
-
 
 def main(argv=None) -> Dict[str, dict]:
     parser = argparse.ArgumentParser(
@@ -29,8 +26,15 @@ def main(argv=None) -> Dict[str, dict]:
     parser.add_argument("--images", type=int, default=1000, help="held-out images used (default 1000; 0 = all)")
     parser.add_argument("--weights", default="model.safetensors", help="weights file inside each run (or ema.safetensors)")
     args = parser.parse_args(argv)
+    print(f"diagnose: loading the libraries for {len(args.run)} run(s)", flush=True)
+    from comparison.diagnose import diagnose_deit_run, diagnose_dit_run, is_dit_run  # torch, timm: after the parse
+    from common.diagnostics import write_diagnostic
+
     per_kind: Dict[str, dict] = {}
-    for run in args.run:
+    for number, run in enumerate(args.run, 1):
+        what = "EMA DiT, diffusion loss" if is_dit_run(run) else f"{args.weights}, held-out loss"
+        print(f"diagnosing {run} ({number} of {len(args.run)}; {what} on {args.images or 'all'} images): stream "
+              "norms, layer removal (one evaluation per block), stream contribution, gradient norms", flush=True)
         try:
             found = (diagnose_dit_run(run, args.images or None) if is_dit_run(run) else
                      diagnose_deit_run(run, args.images or None, weights=args.weights))

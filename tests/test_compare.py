@@ -176,12 +176,17 @@ def test_dit_comparison_scores_fid_through_sampler_and_fid(tmp_path):
 
 
 @pytest.mark.fashion_mnist
-def test_diagnostics_command_on_finished_runs_matches_the_comparison(finished, tmp_path):
+def test_diagnostics_command_on_finished_runs_matches_the_comparison(finished, tmp_path, capsys):
     from scripts.diagnose import main as diagnostics_main
 
     out, _ = finished
     runs = [str(out / "runs" / f"{t}_d2_lr0.001_s0") for t in ("pre", "siamese")]
+    capsys.readouterr()
     found = diagnostics_main(["--run", *runs, "--out", str(tmp_path), "--images", "50"])
+    said = capsys.readouterr().out.splitlines()  # a line before each run, not silence until the plots
+    assert said[0] == "diagnose: loading the libraries for 2 run(s)"
+    assert said[1].startswith(f"diagnosing {runs[0]} (1 of 2; model.safetensors, held-out loss on 50 images): ")
+    assert said[2].startswith(f"diagnosing {runs[1]} (2 of 2;")
     assert set(found["layer_removal"]) == {"pre_d2_lr0.001_s0", "siamese_d2_lr0.001_s0"}
     stored = json.loads((out / "runs" / "siamese_d2_lr0.001_s0" / "diagnostics.json").read_text())
     assert found["layer_removal"]["siamese_d2_lr0.001_s0"] == stored["layer_removal"]

@@ -77,3 +77,27 @@ def test_tick_labels_are_plain_numbers(curve_pre, curve_siamese):
                     assert not text.startswith("+"), (site, labels)
                 shown = [float(t.replace("\N{MINUS SIGN}", "-")) for t in labels if t]
                 assert shown and all(math.isfinite(v) for v in shown), (site, labels)
+
+
+def test_every_stream_of_a_run_has_its_own_legend_entry_and_style_and_pre_norm_stays_visible():
+    """Hyper-Connections' n streams and Attention Residuals' newest source, named in the legend (not "mhcs0",
+    "attnres_blockv"), each stream its own dash and marker in its topology's colour; Pre-Norm a wide band drawn
+    behind the curves that lie on it."""
+    layers = [0, 1, 2]
+    results = {"deit_pre": {"layers": layers, "norms": {"h": [1.0, 2.0, 3.0]}},
+               "deit_mhc": {"layers": layers, "norms": {f"s{i}": [1.0, 2.0, 3.0] for i in range(4)}},
+               "deit_attnres_block": {"layers": layers, "norms": {"v": [1.0, 0.5, 0.5]}},
+               "deit_siamese": {"layers": layers, "norms": {"x": [1.0, 1.0, 1.0], "y": [1.0, 2.0, 3.0]}}}
+    fig = diagnostic_figure("hidden_state_norms", results)
+    lines = {line.get_label(): line for line in labelled_lines(fig)}
+    assert list(lines) == ["deit_pre", "deit_mhc stream 1", "deit_mhc stream 2", "deit_mhc stream 3", "deit_mhc stream 4",
+                           "deit_attnres_block newest source", "deit_siamese X (post-norm stream)",
+                           "deit_siamese Y (pre-norm stream)"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == list(lines)
+    streams = [lines[f"deit_mhc stream {i}"] for i in range(1, 5)]
+    assert {to_hex(s.get_color()) for s in streams} == {to_hex(TOPOLOGY_COLORS["mhc"])}
+    assert len({(s.get_linestyle(), s.get_marker()) for s in streams}) == 4  # told apart without colour
+    assert to_hex(lines["deit_attnres_block newest source"].get_color()) == to_hex(TOPOLOGY_COLORS["attnres_block"])
+    pre = lines["deit_pre"]
+    others = [line for label, line in lines.items() if label != "deit_pre"]
+    assert all(pre.get_zorder() < line.get_zorder() and pre.get_linewidth() > line.get_linewidth() for line in others)
