@@ -101,8 +101,8 @@ def parse_args(argv=None):
         "diffusion.extract_latents ...",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--data-path", required=True, help="ImageFolder root (one subfolder per class), e.g. IMAGENET/train; "
-                   "or its shards (--data-format)")
+    p.add_argument("--data-path", required=True, help="ImageFolder root (one subfolder per class), e.g. "
+                   "IMAGENET/train; or its shards (--data-format)")
     p.add_argument("--data-format", choices=FORMATS, default="imagefolder", help="how --data-path stores the images: "
                    "class folders, WebDataset tars or a Hugging Face dataset (python -m vision.shard converts)")
     p.add_argument("--split", default=None, help="hf: the split of a DatasetDict folder or of a Hub dataset (default: "

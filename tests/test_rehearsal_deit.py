@@ -97,25 +97,35 @@ def test_recipe_trains_with_every_augmentation_then_evaluates(imagenet, one_proc
     assert result["top1"] == pytest.approx(final["val/top1"], abs=1e-9)  # the trainer's own final evaluation
 
 
-def test_recipe_under_torchrun_two_processes(imagenet, one_process, tmp_path):
-    """Two processes (gloo), TensorBoard on: exit 0, and what the README promises equal to one process: the same
-    schedule and the same data order (hence the same unreadable-file count) and an exact once-per-image evaluation.
-    The weights are not compared: mixup/cutmix and drop path draw per rank, so they differ from one process."""
+def test_recipe_under_torchrun_two_processes_on_tars(imagenet, one_process, tmp_path):
+    """Two processes (gloo), TensorBoard on, reading the folder converted to WebDataset tars (python -m vision.shard;
+    two DataLoader workers a process): exit 0, and what the README promises equal to one process on the folder: the
+    same schedule and the same data order (hence the same unreadable-image count) and an exact once-per-image
+    evaluation. The weights are not compared: mixup/cutmix and drop path draw per rank, so they differ from one
+    process (one process on tars: tests/test_shards.py)."""
+    from vision import shard
+
     root, train, val = imagenet
-    check(run("vision.train", *shrunk(root, tmp_path), nproc=2))
+    for split in ("train", "val"):
+        shard.main(["--data-path", str(root / split), "--out", str(tmp_path / "wds" / split), "--shard-size", "8"])
+    proc = check(run("vision.train", *shrunk(tmp_path / "wds", tmp_path / "run"), "data.format=wds", nproc=2))
+    two = tmp_path / "run"
+    member = val["truncated"].replace(".JPEG", ".jpg")  # named by its tar and member
+    assert f"skipping unreadable image {tmp_path / 'wds' / 'val'}/shard-" in proc.stderr
+    assert f".tar:{member}" in proc.stderr
     one, one_proc = one_process
     check(one_proc)
-    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
-    a, b = read_metrics(one), read_metrics(tmp_path)
+    assert list((two / "tb").rglob("events.out.tfevents.*"))
+    a, b = read_metrics(one), read_metrics(two)
     assert b[0]["world_size"] == 2
     assert {k: b[0][k] for k in ("steps_per_epoch", "total_steps", "params", "lr_peak")} == \
            {k: a[0][k] for k in ("steps_per_epoch", "total_steps", "params", "lr_peak")}
     assert [r["train/lr"] for r in b if "train/lr" in r] == [r["train/lr"] for r in a if "train/lr" in r]
     final_one = json.loads((one / "final_metrics.json").read_text())
-    final_two = json.loads((tmp_path / "final_metrics.json").read_text())
+    final_two = json.loads((two / "final_metrics.json").read_text())
     assert final_two["skipped_images"] == final_one["skipped_images"] == expected_train_skips(
         root, train["truncated"], world=2)
     assert final_two["val/images"] == final_one["val/images"] == val["files"] - 1
     assert final_two["val/unreadable"] == final_one["val/unreadable"] == 1
     assert all(math.isfinite(final_two[k]) for k in ("val/top1", "val/loss", "val_ema/loss"))
-    assert load_file(tmp_path / "model.safetensors").keys() == load_file(one / "model.safetensors").keys()
+    assert load_file(two / "model.safetensors").keys() == load_file(one / "model.safetensors").keys()

@@ -69,22 +69,31 @@ def test_extract_latents_at_256px_skips_the_truncated_file(chain):
     assert torch.isfinite(mean).all() and torch.isfinite(logvar).all()
 
 
-def test_extract_latents_under_torchrun_splits_the_shards(chain, tmp_path):
-    """Two processes (gloo on a CPU) share the shards out and give the one-process latents."""
+def test_extract_latents_under_torchrun_from_a_dataset_splits_the_shards(chain, tmp_path):
+    """Two processes (gloo on a CPU) share the shards out and give the one-process latents, reading the folder
+    converted to a Hugging Face dataset (python -m vision.shard --format hf): the same images, labels and order."""
+    from vision import shard
+
     check(chain["extract"])
-    root = chain["root"]
-    proc = check(run("diffusion.extract_latents", "--data-path", root / "imagenet" / "train", "--vae", root / "vae",
-                     "--out", tmp_path, "--num-workers", 1, "--shard-size", 8, nproc=2))
+    root, images = chain["root"], chain["images"]
+    shard.main(["--data-path", str(root / "imagenet" / "train"), "--out", str(tmp_path / "hf"), "--format", "hf",
+                "--shard-size", "7"])
+    proc = check(run("diffusion.extract_latents", "--data-path", tmp_path / "hf", "--data-format", "hf", "--vae",
+                     root / "vae", "--out", tmp_path / "latents", "--num-workers", 1, "--shard-size", 8, nproc=2))
     # Each process takes every 2nd shard and rank 0 alone writes the summary (two processes that each ran alone
     # would each encode every shard and print it).
     assert "-> 3 shards of 8 over 2 process(es)" in proc.stdout and proc.stdout.count("wrote ") == 1, proc.stdout
     one = json.loads((root / "latents" / "metadata.json").read_text())
-    two = json.loads((tmp_path / "metadata.json").read_text())
-    assert (two["count"], two["skipped"], two["classes"]) == (one["count"], one["skipped"], one["classes"])
+    two = json.loads((tmp_path / "latents" / "metadata.json").read_text())
+    assert (two["count"], two["classes"], two["num_listed"]) == (one["count"], one["classes"], one["num_listed"])
+    truncated = images["truncated"].rsplit("/", 1)[-1]
+    assert len(two["skipped"]) == 1 and two["skipped"][0].endswith(f" ({truncated})"), two["skipped"]
     with safe_open(str(root / "latents" / one["shards"][0]["file"]), "pt") as f:
-        want = f.get_tensor("mean").float()
-    got = torch.cat([load_file(tmp_path / s["file"])["mean"].float() for s in two["shards"]])
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)  # float16 storage
+        want, labels, indices = f.get_tensor("mean").float(), f.get_tensor("label"), f.get_tensor("index")
+    got = [load_file(tmp_path / "latents" / s["file"]) for s in two["shards"]]
+    torch.testing.assert_close(torch.cat([g["mean"].float() for g in got]), want, atol=2e-3, rtol=2e-3)  # float16
+    assert torch.equal(torch.cat([g["label"] for g in got]), labels)
+    assert torch.equal(torch.cat([g["index"] for g in got]), indices)  # the folder's order
 
 
 def test_train_the_recipe_on_the_latents_with_sample_grids(chain):

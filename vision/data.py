@@ -93,7 +93,8 @@ class ReadableImages(Dataset):
             image = self._read(i)
             if image is not None:
                 return self._transform(image, i), int(self.images.labels[i])
-        raise RuntimeError(f"no readable image among 100 starting at {self.images.name(index)}; check the dataset files")
+        raise RuntimeError(f"no readable image among 100 starting at {self.images.name(index)}; check the dataset "
+                           "files")
 
 
 class ReadableImageFolder(ReadableImages):
