@@ -32,7 +32,7 @@ from common.data import pad_batch
 from common.durable import atomic_savez, atomic_write, atomic_write_text
 from common.preemption import stoppable_rounds
 from diffusion.latents import load_vae
-from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, shift_times, times
+from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, sde_step_size, shift_times, times
 
 if TYPE_CHECKING:  # timm, diffusers, torch-fidelity: imported where they are used (the command line needs none)
     from diffusion.gaussian_diffusion import GaussianDiffusion
@@ -265,6 +265,10 @@ class FlowSampling:
             if self.diffusion_form == "SBDM" and t0 == 0 and transport.path_name != "vp":
                 raise SamplingError(f"SBDM diffusion is infinite at t = 0 on the {transport.path_name} path, where a "
                                     "velocity model's SDE starts (SiT returns NaN there); use diffusion form sigma")
+            if self.sampler == "sde-heun" and t1 == 1 and transport.path_name == "linear":
+                raise SamplingError("sde-heun without a last step ends with a drift at t = 1, where a velocity model's "
+                                    "score on the linear path is 0/0 (SiT returns NaN there); use last step mean or "
+                                    "sampler sde-euler")
             return torch.linspace(t0, t1, self.steps)
         t0, t1 = transport.interval(transport.sample_eps)
         return shift_times(torch.linspace(t0, t1, self.steps), self.timestep_shift)
@@ -300,7 +304,8 @@ def transport_chain(predict, transport: Transport, options: FlowSampling, genera
                     shape: Sequence[int], device="cpu") -> Iterator[Tensor]:
     """The transport's chain for one batch from noise (``t0``) to data: yields x at ``t0``, then after every step
     (an SDE's last step last). Sample ``b`` draws its start and its SDE noise from ``generators[b]``."""
-    grid = options.time_grid(transport).tolist()
+    grid_tensor = options.time_grid(transport)
+    grid = grid_tensor.tolist()
     noise = chain_noise(generators, shape, len(grid) if options.sde else 1, device)
     x = next(noise)
     yield x
@@ -315,8 +320,9 @@ def transport_chain(predict, transport: Transport, options: FlowSampling, genera
                         rtol=options.rtol)
         yield from states[1:]
         return
+    sde_dt = sde_step_size(grid_tensor) if options.sde else None
     for t, t_next in zip(grid[:-1], grid[1:]):
-        dt = t_next - t
+        dt = t_next - t if sde_dt is None else sde_dt
         if options.sampler == "euler":
             x = transport.euler_step(predict, x, t, dt)
         elif options.sampler == "heun":

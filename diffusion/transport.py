@@ -132,6 +132,12 @@ def times(x: Tensor, t: float) -> Tensor:
     return torch.full((x.shape[0],), t, dtype=x.dtype, device=x.device)
 
 
+def sde_step_size(grid: Tensor) -> float:
+    """SiT's SDE step, the grid's first spacing in the grid's dtype, which every SDE step takes: a float32
+    ``linspace`` is not evenly spaced to the last bit, and a step of ``t_next - t`` differs from SiT's by that."""
+    return float(grid[1] - grid[0])
+
+
 def shift_times(t: Tensor, shift: float) -> Tensor:
     """LightningDiT's timestep shift of a time grid, ``s t / (1 + (s - 1) t)`` (0 and 1 stay put); 0: no shift."""
     return t if shift <= 0 else shift * t / (1 + (shift - 1) * t)
@@ -293,19 +299,24 @@ class Transport:
         k2 = self.velocity(predict(x_euler, t + dt), x_euler, times(x, t + dt))
         return x + dt * 0.5 * (k1 + k2)
 
+    # The SDE steps round as SiT's integrator: ``dt`` is :func:`sde_step_size`, the noise is scaled to ``dW`` first.
+    def sde_noise(self, x: Tensor, tb: Tensor, dt: float, noise: Tensor, form: str, norm: float) -> Tensor:
+        """``sqrt(2 w_t) dW`` with ``dW = sqrt(dt) noise``."""
+        return torch.sqrt(2 * self.diffusion_coefficient(tb, x, form, norm)) * (noise * math.sqrt(dt))
+
     def sde_euler_step(self, predict, x: Tensor, t: float, dt: float, noise: Tensor, form: str,
                        norm: float) -> Tensor:
         """SDE, Euler-Maruyama: ``x + dt (v + w s) + sqrt(2 w dt) noise``."""
         tb = times(x, t)
         drift = self.sde_drift(predict(x, t), x, tb, form, norm)
-        return x + drift * dt + torch.sqrt(2 * self.diffusion_coefficient(tb, x, form, norm)) * noise * math.sqrt(dt)
+        return x + drift * dt + self.sde_noise(x, tb, dt, noise, form, norm)
 
     def sde_heun_step(self, predict, x: Tensor, t: float, dt: float, noise: Tensor, form: str,
                       norm: float) -> Tensor:
         """SDE, SiT's Heun: the noise first, ``x^ = x + sqrt(2 w_t dt) noise``, then a Heun step of the drift from
         ``x^``: ``k1 = f(x^, t)``, ``k2 = f(x^ + dt k1, t + dt)``, ``x^ + dt (k1 + k2) / 2``."""
         tb, tb_next = times(x, t), times(x, t + dt)
-        x_hat = x + torch.sqrt(2 * self.diffusion_coefficient(tb, x, form, norm)) * noise * math.sqrt(dt)
+        x_hat = x + self.sde_noise(x, tb, dt, noise, form, norm)
         k1 = self.sde_drift(predict(x_hat, t), x_hat, tb, form, norm)
         x_euler = x_hat + dt * k1
         k2 = self.sde_drift(predict(x_euler, t + dt), x_euler, tb_next, form, norm)

@@ -143,7 +143,8 @@ class SiTTransport:
 
     def sample_sde(self, x, model, noises, method="Euler", form="sigma", norm=1.0, last="Mean", last_size=0.04,
                    num_steps=10):
-        """SiT's Sampler.sample_sde then its integrator, with ``noises`` in place of ``randn``."""
+        """SiT's Sampler.sample_sde then its integrator, with ``noises`` in place of ``randn``, in its rounding: every
+        step takes the grid's first spacing ``dt`` (float32), and the noise is scaled to ``dW = sqrt(dt) w`` first."""
         if last is None:
             last_size = 0.0
         t0, t1 = self.check_interval(sde=True, evaluate=True, form=form, last=last_size)
@@ -156,11 +157,12 @@ class SiTTransport:
         for ti in grid[:-1]:
             w = next(noises)
             tt = torch.ones(x.shape[0]) * ti
+            dw = w * torch.sqrt(dt)
             if method == "Euler":
                 mean = x + sde_drift(x, tt) * dt
-                x = mean + torch.sqrt(2 * self.diffusion(x, tt, form, norm)) * w * torch.sqrt(dt)
+                x = mean + torch.sqrt(2 * self.diffusion(x, tt, form, norm)) * dw
             else:
-                xhat = x + torch.sqrt(2 * self.diffusion(x, tt, form, norm)) * w * torch.sqrt(dt)
+                xhat = x + torch.sqrt(2 * self.diffusion(x, tt, form, norm)) * dw
                 k1 = sde_drift(xhat, tt)
                 k2 = sde_drift(xhat + dt * k1, tt + dt)
                 x = xhat + 0.5 * dt * (k1 + k2)
