@@ -113,3 +113,33 @@ def test_a_misspelt_model_name_gets_the_nearest_name_as_a_misspelt_key_does(tmp_
     line = refusal(export_main, ["--checkpoint", tmp_path / "plain.pt", "--out", tmp_path / "out", "--model", "DiT-B2",
                                  "--image-size", "256"], capsys)
     assert "--model 'DiT-B2' is not a DiT (did you mean 'DiT-B/2'?)" in line, line
+
+
+# ------------------------------------------------------------------------------------------- docs
+
+def test_the_dit_parameter_tables_give_every_topology_they_name_as_the_models_count_it():
+    """docs/models.md's DiT tables: each cell's count is the model's (frozen pos_embed included), and the multi-stream
+    and cross-layer designs are there too."""
+    import re
+
+    import torch
+
+    from diffusion.models import DiT_models
+
+    text = (ROOT / "docs/models.md").read_text()
+    section = text[text.index("## DiT (`diffusion/models.py`)"):text.index("## `recompute_norms`")]
+    tables = re.findall(r"^\| model \|(.*)\|\n\|[-|]+\|\n((?:\|.*\|\n)+)", section, flags=re.M)
+    counted = {}
+    for header, rows in tables:
+        topologies = [t.strip() for t in header.split("|")]
+        for row in rows.strip().splitlines():
+            name, *cells = [c.strip() for c in row.strip("|").split("|")]
+            for topology, cell in zip(topologies, cells):
+                with torch.device("meta"):
+                    model = DiT_models[name](topology=topology)
+                assert int(cell.split()[0].replace(",", "")) == sum(p.numel() for p in model.parameters()), \
+                    (name, topology)
+                counted.setdefault(topology, set()).add(name)
+    models = {"DiT-S/2", "DiT-B/2", "DiT-L/4", "DiT-XL/2"}
+    assert {t for t, names in counted.items() if names == models} >= {"pre", "siamese", "post", "hc", "mhc", "attnres",
+                                                                       "attnres_block"}
