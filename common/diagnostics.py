@@ -34,7 +34,7 @@ from torch import nn
 from common.cli import InputError
 from common.durable import atomic_write_text
 from common.plots import color_for, plain_ticks, plot_series, pyplot, series_style
-from common.topologies import ResidualBlock, SiameseFusion
+from common.topologies import ResidualBlock, SiameseFusion, StreamStart
 
 PathLike = Union[str, os.PathLike]
 KINDS = ("hidden_state_norms", "layer_removal", "stream_contribution", "grad_norm")
@@ -50,19 +50,11 @@ def model_blocks(model: nn.Module) -> Sequence[nn.Module]:
     return list(blocks)
 
 
-def _streams(state) -> Dict[str, torch.Tensor]:
-    """The named streams of a block's state: ``h`` (one stream), ``x``/``y`` (two), ``s0``... (the ``n`` streams of
-    Hyper-Connections, a ``(B, T, n, D)`` tensor), or for Attention Residuals (a list of sources) ``v``, the newest
-    source: the output (or block sum) the last sublayer wrote."""
-    if isinstance(state, torch.Tensor):
-        if state.dim() == 4:
-            return {f"s{i}": state[..., i, :] for i in range(state.shape[-2])}
-        return {"h": state}
-    if isinstance(state, tuple) and len(state) == 2:
-        return {"x": state[0], "y": state[1]}
-    if isinstance(state, list):
-        return {"v": state[-1]}
-    raise TypeError(f"a block passed on a {type(state).__name__}; expected a tensor, an (X, Y) tuple or a list")
+def _streams(model: nn.Module, state) -> Dict[str, torch.Tensor]:
+    """The named streams of a block's state, as the topology names them (``h``; ``x``, ``y``; ``s0``...; ``v``, the
+    newest source of depth attention); ``h`` for a model without a topology's stream state (timm's own DeiT)."""
+    streams = getattr(model, "streams", None)
+    return streams.named_streams(state) if isinstance(streams, StreamStart) else {"h": state}
 
 
 def _token_norm(t: torch.Tensor) -> float:
@@ -80,7 +72,7 @@ def hidden_state_norms(model: nn.Module, *inputs, blocks: Optional[Sequence[nn.M
     norms: Dict[str, list] = {}
 
     def record(state):
-        for name, t in _streams(state).items():
+        for name, t in _streams(model, state).items():
             norms.setdefault(name, []).append(_token_norm(t))
 
     handles = [blocks[0].register_forward_pre_hook(lambda m, args: record(args[0]))]

@@ -47,7 +47,7 @@ from timm.layers import Attention, Mlp, PatchEmbed
 
 from common.cli import InputError
 from common.checkpoint import convert_state_dict
-from common.topologies import LN_EPS, ResidualBlock, accumulated_stream, resolve_topology, topology_names
+from common.topologies import LN_EPS, ResidualBlock, resolve_topology, topology_names
 
 DIT_TOPOLOGIES = topology_names("dit")
 
@@ -243,7 +243,7 @@ class DiT(nn.Module):
         # A frozen parameter, not a buffer, so that the official checkpoints' `pos_embed` key and
         # parameter counts (which include it) match.
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
-        self.streams = plan.streams()
+        self.streams = plan.streams(hidden_size)
         self.blocks = nn.ModuleList(plan.build_block(DiTBlock, i, hidden_size, num_heads, mlp_ratio, layer_index=i)
                                     for i in range(depth))
         self.fusion = plan.output(hidden_size, affine_layer_norm, final_norm=False)
@@ -296,18 +296,19 @@ class DiT(nn.Module):
         the residual streams (fp32 under bf16 autocast), so the diffusion loss is computed in fp32.
         ``t`` may be continuous (SiT's times in [0, 1]); the embedding takes any real value.
         ``hidden_after=k`` also returns the tokens ``(N, T, D)`` after block ``k`` (1-based; REPA aligns them):
-        :func:`common.topologies.accumulated_stream`, ``embedding + sum of the updates``, the quantity Pre-Norm's
+        :meth:`common.topologies.StreamStart.accumulated`, ``embedding + sum of the updates``, the quantity Pre-Norm's
         stream is (``Y`` for SiameseNorm and ResiDual).
         """
         tokens = self.x_embedder(x) + self.pos_embed
-        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
-        state = self.streams(tokens)
+        t_emb = self.t_embedder(t)
+        c = t_emb + self.y_embedder(y, self.training, force_drop_ids)
+        state = self.streams(tokens, t_emb)  # timestep-aware routing reads t_emb
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled()
         hidden = None
         for i, block in enumerate(self.blocks):
             state = checkpoint(block, state, c, use_reentrant=False) if use_checkpoint else block(state, c)
             if i + 1 == hidden_after:
-                hidden = accumulated_stream(state)
+                hidden = self.streams.accumulated(state)
         out = self.unpatchify(self.final_layer(self.fusion(state), c))
         # Under autocast the streams stay fp32 but the last linear returns bf16; hand the loss the stream dtype.
         out = out.to(tokens.dtype)

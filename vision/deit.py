@@ -164,7 +164,7 @@ class SiameseNormVisionTransformer(VisionTransformer):
         self.topology = topology
         self.topology_plan = plan
         self.block_topologies = plan.block_topologies
-        self.streams = plan.streams()
+        self.streams = plan.streams(self.embed_dim)
         # A ModuleList, not timm's Sequential: two-stream blocks take and return (X, Y), which TorchScript
         # cannot pass through Sequential.forward.
         self.blocks = nn.ModuleList(self.blocks)

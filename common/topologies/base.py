@@ -7,13 +7,14 @@ A block is two sublayers, ``F1`` (attention) and ``F2`` (MLP), on a residual str
 mask (DeiT) or the adaLN modulation (DiT).
 
 The stream state is a tensor for the single-stream topologies, ``(X, Y)`` for the two-stream ones, ``(B, T, n, D)``
-for the ``n`` streams of Hyper-Connections and the list of earlier outputs for depth attention. A module makes the
-first state from the embedding and a :class:`StreamFusion` reads the last one out; both are modules so that a
-model's block loop is written once (TorchScript types the state by the modules a model holds).
+for the ``n`` streams of Hyper-Connections and the list of earlier outputs for depth attention. A
+:class:`StreamStart` makes the first state from the embedding and says what a state holds, and a
+:class:`StreamFusion` reads the last one out; both are modules so that a model's block loop is written once
+(TorchScript types the state by the modules a model holds).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -65,11 +66,47 @@ class ResidualBlock(nn.Module):
         return f"topology={self.topology}, layer_index={self.layer_index}"
 
 
-class TwoStreams(nn.Module):
-    """The state of a two-stream topology: both streams start as the embedding."""
+class StreamStart(nn.Module):
+    """The owner of a topology's stream state: makes the first state from the embedding ``x`` (and ``cond``, the
+    model's per-sample conditioning, ``(B, D)`` or None, which timestep-aware routing reads) and says what a state
+    holds, so that nothing outside the topology interprets a state by its type."""
 
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, cond: Optional[Tensor] = None):
+        raise NotImplementedError
+
+    def accumulated(self, state) -> Tensor:
+        """The embedding plus every sublayer update so far, the tensor Pre-Norm's stream is (REPA aligns it)."""
+        raise NotImplementedError
+
+    def named_streams(self, state) -> Dict[str, Tensor]:
+        """Each stream of ``state`` by name, ``(B, T, D)`` each (the diagnostics' hidden-state norms)."""
+        raise NotImplementedError
+
+
+class SingleStream(StreamStart):
+    """One stream, the embedding itself."""
+
+    def forward(self, x: Tensor, cond: Optional[Tensor] = None) -> Tensor:
+        return x
+
+    def accumulated(self, state: Tensor) -> Tensor:
+        return state
+
+    def named_streams(self, state: Tensor) -> Dict[str, Tensor]:
+        return {"h": state}
+
+
+class TwoStreams(StreamStart):
+    """Two streams that both start as the embedding: ``X`` (normalised, Post-Norm-like) and ``Y`` (accumulating)."""
+
+    def forward(self, x: Tensor, cond: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         return x, x
+
+    def accumulated(self, state: Tuple[Tensor, Tensor]) -> Tensor:
+        return state[1]
+
+    def named_streams(self, state: Tuple[Tensor, Tensor]) -> Dict[str, Tensor]:
+        return {"x": state[0], "y": state[1]}
 
 
 class StreamFusion(nn.Module):
@@ -80,20 +117,6 @@ def single_stream_output(dim: int, norm_layer: NormLayer, final_norm: bool, last
     """The module between a single-stream model's last block and its head: the usual final norm (key
     ``norm.weight``, as timm) when ``final_norm``, none after a block whose output is already normalised."""
     return norm_layer(dim) if final_norm and not last_block.normalizes_output else nn.Identity()
-
-
-def accumulated_stream(state: StreamState) -> Tensor:
-    """The embedding plus every sublayer update so far, the tensor Pre-Norm's stream is, from any stream state:
-    a single stream as it is, ``Y`` of the two-stream topologies, the mean of Hyper-Connections' ``n`` streams (each
-    is that sum at init), the sum of depth attention's sources. REPA aligns it (:mod:`diffusion.repa`)."""
-    if isinstance(state, tuple):
-        return state[1]
-    if isinstance(state, list):
-        total = state[0]
-        for source in state[1:]:
-            total = total + source
-        return total
-    return state.mean(dim=-2) if state.dim() == 4 else state
 
 
 def readout(fusion: nn.Module, state: StreamState, norm: bool = True) -> Tensor:

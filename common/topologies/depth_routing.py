@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.cli import InputError
-from common.topologies.base import LN_EPS, NormLayer, ResidualBlock, StreamFusion, default_norm
+from common.topologies.base import LN_EPS, NormLayer, ResidualBlock, StreamFusion, StreamStart, default_norm
 from common.topologies.registry import BlockSpec, Topology, register
 
 Tensor = torch.Tensor
@@ -94,11 +94,22 @@ class AttnResBlock(ResidualBlock):
 
 
 
-class SourceList(nn.Module):
+class SourceList(StreamStart):
     """The first state: the list of sources, the embedding alone."""
 
-    def forward(self, x: Tensor) -> List[Tensor]:
+    def forward(self, x: Tensor, cond: Optional[Tensor] = None) -> List[Tensor]:
         return [x]
+
+    def accumulated(self, sources: List[Tensor]) -> Tensor:
+        """The sources' sum: the embedding plus every update."""
+        total = sources[0]
+        for source in sources[1:]:
+            total = total + source
+        return total
+
+    def named_streams(self, sources: List[Tensor]) -> Dict[str, Tensor]:
+        """``v``, the newest source: the output (or block sum) the last sublayer wrote."""
+        return {"v": sources[-1]}
 
 
 class DepthAttentionFusion(StreamFusion):
@@ -131,7 +142,7 @@ def _block_attnres_blocks(depth: int, options: Dict[str, Any]) -> List[BlockSpec
 
 
 def _attnres(name: str, summary: str, blocks, color: str, **options) -> Topology:
-    return Topology(name, summary, blocks, color=color, options=options, streams=lambda plan: SourceList(),
+    return Topology(name, summary, blocks, color=color, options=options, streams=lambda plan, dim: SourceList(),
                     output=lambda plan, dim, norm_layer, final_norm: DepthAttentionFusion(dim, norm_layer, final_norm))
 
 

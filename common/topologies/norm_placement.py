@@ -184,7 +184,7 @@ def _siamese_blocks(depth: int, options: Dict[str, Any]) -> List[BlockSpec]:
     return [(block, dict(normalized_input=options["normalized_input"], depth_scaling=options["depth_scaling"]))] * depth
 
 
-def _two_streams(plan: TopologyPlan) -> nn.Module:
+def _two_streams(plan: TopologyPlan, dim: int) -> nn.Module:
     return TwoStreams()
 
 

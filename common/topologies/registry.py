@@ -16,15 +16,15 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from common.cli import InputError
-from common.topologies.base import NormLayer, ResidualBlock, default_norm, single_stream_output
+from common.topologies.base import NormLayer, ResidualBlock, SingleStream, default_norm, single_stream_output
 
 FAMILIES = ("deit", "dit")
 FAMILY_NAMES = {"deit": "DeiT", "dit": "DiT"}
 BlockSpec = Tuple[Type[ResidualBlock], Dict[str, Any]]
 
 
-def _no_streams(plan: "TopologyPlan") -> nn.Module:
-    return nn.Identity()
+def _single_stream(plan: "TopologyPlan", dim: int) -> nn.Module:
+    return SingleStream()
 
 
 def _single_stream_output(plan: "TopologyPlan", dim: int, norm_layer: NormLayer, final_norm: bool) -> nn.Module:
@@ -42,7 +42,8 @@ class Topology:
             option of :attr:`options`, defaults filled in.
         options: the model keyword arguments it reads, each with its one default (None: derived from the depth by
             ``blocks``).
-        streams: ``streams(plan) -> module`` that turns the embedding into the first block's state.
+        streams: ``streams(plan, dim) ->`` the :class:`~common.topologies.base.StreamStart` that turns the embedding into
+            the first block's state and says what a state holds.
         output: ``output(plan, dim, norm_layer, final_norm) -> module`` between the last block and the head.
         families: the model families that offer it.
         color: its colour in every figure.
@@ -56,7 +57,7 @@ class Topology:
     blocks: Callable[[int, Dict[str, Any]], List[BlockSpec]]
     color: str
     options: Mapping[str, Any] = field(default_factory=dict)
-    streams: Callable[["TopologyPlan"], nn.Module] = _no_streams
+    streams: Callable[["TopologyPlan", int], nn.Module] = _single_stream
     output: Callable[..., nn.Module] = _single_stream_output
     families: Tuple[str, ...] = FAMILIES
     init_weights: Optional[Callable[[Sequence[nn.Module]], None]] = None
@@ -138,8 +139,8 @@ class TopologyPlan:
         base, options = self.blocks[index]
         return block_class(family, base)(*args, **kwargs, **options)
 
-    def streams(self) -> nn.Module:
-        return self.topology.streams(self)
+    def streams(self, dim: int) -> nn.Module:
+        return self.topology.streams(self, dim)
 
     def output(self, dim: int, norm_layer: NormLayer = default_norm, final_norm: bool = True) -> nn.Module:
         """The module the head reads through: the streams' fusion, or a single stream's final norm when

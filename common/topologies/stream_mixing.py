@@ -7,13 +7,13 @@ themselves and writes the sublayer's output back with a gain per stream.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Type
+from typing import Dict, Optional, Tuple, Type
 
 import torch
 from torch import nn
 
 from common.cli import InputError
-from common.topologies.base import NormLayer, ResidualBlock, StreamFusion, default_norm
+from common.topologies.base import NormLayer, ResidualBlock, StreamFusion, StreamStart, default_norm
 from common.topologies.registry import Topology, register
 
 Tensor = torch.Tensor
@@ -161,15 +161,22 @@ class ManifoldHyperConnectionBlock(StreamMixingBlock):
     connection = ManifoldHyperConnection
 
 
-class ExpandStreams(nn.Module):
+class ExpandStreams(StreamStart):
     """The first state: ``n`` copies of the embedding, ``(B, T, D) -> (B, T, n, D)``."""
 
     def __init__(self, streams: int):
         super().__init__()
         self.streams = streams
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cond: Optional[Tensor] = None) -> Tensor:
         return x.unsqueeze(-2).expand(-1, -1, self.streams, -1)
+
+    def accumulated(self, state: Tensor) -> Tensor:
+        """The streams' mean: each stream is the embedding plus every update at init."""
+        return state.mean(dim=-2)
+
+    def named_streams(self, state: Tensor) -> Dict[str, Tensor]:
+        return {f"s{i}": state[..., i, :] for i in range(state.shape[-2])}
 
     def extra_repr(self) -> str:
         return f"streams={self.streams}"
@@ -197,7 +204,7 @@ def _stream_mixing(name: str, summary: str, block: Type[StreamMixingBlock], colo
         return [(block, dict(streams=int(options["hc_streams"]), dynamic=bool(options["hc_dynamic"]), **own))] * depth
 
     return Topology(name, summary, blocks, color=color, options=options,
-                    streams=lambda plan: ExpandStreams(int(plan.options["hc_streams"])),
+                    streams=lambda plan, dim: ExpandStreams(int(plan.options["hc_streams"])),
                     output=lambda plan, dim, norm_layer, final_norm: StreamSum(dim, norm_layer, final_norm))
 
 
