@@ -32,6 +32,23 @@ class CheckpointError(InputError):
     """A checkpoint that cannot be read or does not fit the model."""
 
 
+class WeightsMismatchError(CheckpointError):
+    """Weights whose names or shapes do not fit the model: ``missing`` and ``unexpected`` names, ``shapes`` (``name:
+    file (...) vs model (...)``), so that a caller can say it in its own terms (:meth:`summary`)."""
+
+    def __init__(self, message: str, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
+                 shapes: Sequence[str] = ()):
+        super().__init__(message)
+        self.missing, self.unexpected, self.shapes = list(missing), list(unexpected), list(shapes)
+
+    def summary(self, limit: int = 3) -> str:
+        """The mismatch in a few words: counts and the first ``limit`` names of each kind."""
+        kinds = [(self.missing, "missing key{}"), (self.unexpected, "unexpected key{}"),
+                 (self.shapes, "key{} of another shape")]
+        return "; ".join(f"{len(keys)} {what.format('s' * (len(keys) != 1))} ({_format_keys(keys, limit)})"
+                         for keys, what in kinds if keys)
+
+
 def _format_keys(keys: Sequence[str], limit: int = 20) -> str:
     keys = list(keys)
     shown = ", ".join(keys[:limit])
@@ -154,18 +171,18 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True, key: Opt
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
         name = type(target).__name__
-        raise CheckpointError(
+        raise WeightsMismatchError(
             f"checkpoint does not match {name}: {len(missing)} missing keys [{_format_keys(missing)}]; "
             f"{len(unexpected)} unexpected keys [{_format_keys(unexpected)}]. Check the model name/topology "
-            "and sizes, or pass strict=False to load the overlap."
-        )
+            "and sizes, or pass strict=False to load the overlap.", missing, unexpected)
     shape_errors = [
         f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
         for k, v in state_dict.items()
         if k in own and v.shape != own[k].shape
     ]
     if shape_errors:
-        raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(shape_errors[:20]))
+        raise WeightsMismatchError("checkpoint shapes do not match the model: " + "; ".join(shape_errors[:20]),
+                                   shapes=shape_errors)
     return target.load_state_dict(state_dict, strict=strict)
 
 

@@ -155,6 +155,12 @@ def test_vision_train_distils_from_a_teacher_file_and_evaluates_the_two_heads(tm
     assert final["steps"] == 2 and final["nonfinite_steps"] == 0
     weights = load_file(tmp_path / "run" / "model.safetensors")
     assert "dist_token" in weights and "head_dist.weight" in weights
+    from common.logging import read_metrics
+
+    records = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]  # the two heads' terms, and their sum
+    assert len(records) == 2 and all(r["train/loss_cls"] > 0 and r["train/loss_dist"] > 0 for r in records)
+    for r in records:
+        assert r["train/loss"] == pytest.approx(0.5 * r["train/loss_cls"] + 0.5 * r["train/loss_dist"], rel=1e-6)
     result = vision_evaluate.main(["--config", str(tmp_path / "run" / "config.yaml"),
                                    f"checkpoint={tmp_path / 'run' / 'model.safetensors'}"])
     assert result["top1"] == pytest.approx(final["val/top1"], abs=1e-9)

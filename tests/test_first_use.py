@@ -143,3 +143,36 @@ def test_the_dit_parameter_tables_give_every_topology_they_name_as_the_models_co
     models = {"DiT-S/2", "DiT-B/2", "DiT-L/4", "DiT-XL/2"}
     assert {t for t, names in counted.items() if names == models} >= {"pre", "siamese", "post", "hc", "mhc", "attnres",
                                                                        "attnres_block"}
+
+
+# ------------------------------------------------------------------------------------------- distillation
+
+@pytest.mark.fashion_mnist
+def test_a_teacher_file_that_does_not_fit_is_one_short_line_naming_both_settings(tmp_path, capsys):
+    """Another class count (a head of another shape), or DeiT's default teacher regnety_160 given a ResNet file
+    (hundreds of missing and unexpected keys): a line naming distill.teacher and distill.teacher_weights, counts and a
+    few keys, not a thousand characters of keys and a Python-only strict=False."""
+    import timm
+    import torch
+
+    from vision.train import main
+
+    torch.save({"model": timm.create_model("regnety_002", num_classes=3).state_dict()}, tmp_path / "three.pth")
+    torch.save({"model": timm.create_model("resnet10t", num_classes=10).state_dict()}, tmp_path / "resnet.pth")
+    run = ["--config", ROOT / "configs/fmnist_deit_siamese.yaml", "model.name=deit_tiny_siamese_distilled_patch16_224",
+           "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 8}", "data.input_size=32",
+           "data.num_workers=0", "data.max_train_samples=16", "data.max_val_samples=20", "optim.batch_size=8",
+           "train.tensorboard=false", "train.threads=1", f"train.output_dir={tmp_path / 'run'}", "distill.type=hard",
+           "distill.alpha=0.5"]
+    line = refusal(main, [*run, "distill.teacher=regnety_002", f"distill.teacher_weights={tmp_path / 'three.pth'}"],
+                   capsys)
+    assert line == (f"error: distill.teacher_weights={tmp_path / 'three.pth'} does not fit distill.teacher=regnety_002 "
+                    "with 10 classes (data.num_classes): 2 keys of another shape (head.fc.weight: checkpoint (3, 368) "
+                    "vs model (10, 368), head.fc.bias: checkpoint (3,) vs model (10,)). Give that model's weights for "
+                    "these classes, or name the model of this file in distill.teacher (and its arguments in "
+                    "distill.teacher_kwargs)"), line
+    line = refusal(main, [*run, "distill.teacher=regnety_160", f"distill.teacher_weights={tmp_path / 'resnet.pth'}"],
+                   capsys)
+    assert "does not fit distill.teacher=regnety_160 with 10 classes (data.num_classes): 428 missing keys (" in line
+    assert "; 86 unexpected keys (conv1.0.weight, " in line and "strict=False" not in line and len(line) < 500, line
+    assert not (tmp_path / "run" / "checkpoints").exists()

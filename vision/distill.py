@@ -24,10 +24,17 @@ def build_teacher(cfg: DistillConfig, num_classes: int) -> nn.Module:
     Built without pretrained weights (nothing is downloaded) and loaded strictly, as DeiT loads its RegNetY."""
     import timm
 
-    from common.checkpoint import load_weights
+    from common.checkpoint import WeightsMismatchError, load_weights
 
     teacher = timm.create_model(cfg.teacher, pretrained=False, num_classes=num_classes, **cfg.teacher_kwargs)
-    load_weights(teacher, cfg.teacher_weights)
+    try:
+        load_weights(teacher, cfg.teacher_weights)
+    except WeightsMismatchError as err:
+        raise WeightsMismatchError(
+            f"distill.teacher_weights={cfg.teacher_weights} does not fit distill.teacher={cfg.teacher} with "
+            f"{num_classes} classes (data.num_classes): {err.summary()}. Give that model's weights for these classes, "
+            "or name the model of this file in distill.teacher (and its arguments in distill.teacher_kwargs)",
+            err.missing, err.unexpected, err.shapes) from None
     return teacher.requires_grad_(False).eval()
 
 
@@ -51,6 +58,11 @@ class DistillationLoss(nn.Module):
 
     def forward(self, images: torch.Tensor, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor
                 ) -> torch.Tensor:
+        return self.combine(*self.terms(images, outputs, targets))
+
+    def terms(self, images: torch.Tensor, outputs: Tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(base loss of the class head, distillation loss of the distillation head)``, unweighted."""
         if isinstance(outputs, torch.Tensor):
             raise ValueError("distillation needs the student's (class head, distillation head) logits: a distilled "
                              "model with set_distilled_training(True), in training mode")
@@ -64,4 +76,8 @@ class DistillationLoss(nn.Module):
                                     reduction="sum", log_target=True) * (t * t) / outputs_dist.numel()
         else:
             distill_loss = F.cross_entropy(outputs_dist, teacher_outputs.argmax(dim=1))
+        return base_loss, distill_loss
+
+    def combine(self, base_loss: torch.Tensor, distill_loss: torch.Tensor) -> torch.Tensor:
+        """The trained loss: ``(1 - alpha) * base + alpha * distillation``."""
         return base_loss * (1 - self.alpha) + distill_loss * self.alpha

@@ -69,6 +69,7 @@ class DeiTTask(trainer.Task):
         self.cfg = cfg
         self.repeats = cfg.augment.repeated_aug
         self.lr = cfg.optim.lr
+        self.loss_parts = ("loss_cls", "loss_dist") if cfg.distill.on else ()
         self.last_eval: dict = {}
         self.eval_models: dict = {}  # id(weights) -> their compiled evaluation model, when the run compiles
 
@@ -134,8 +135,9 @@ class DeiTTask(trainer.Task):
         images, targets = batch
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
-        if self.cfg.distill.on:
-            return self.criterion(images, model(images), targets), {}
+        if self.cfg.distill.on:  # both heads' terms logged apart (train/loss_cls, train/loss_dist), unweighted
+            cls_loss, dist_loss = self.criterion.terms(images, model(images), targets)
+            return self.criterion.combine(cls_loss, dist_loss), {"loss_cls": cls_loss, "loss_dist": dist_loss}
         return self.criterion(model(images), targets), {}
 
     def run_summary(self) -> dict:
