@@ -132,7 +132,8 @@ def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
     from common.config import load_config
     from vision.train import TrainConfig, train
 
-    overrides = [f"model.name={deit_model_name(spec.topology)}", f"model.kwargs.depth={spec.depth}",
+    topology, variant_set = topology_settings(spec, opts)
+    overrides = [f"model.name={deit_model_name(topology)}", f"model.kwargs.depth={spec.depth}",
                  f"optim.base_lr={spec.lr}", f"train.seed={spec.seed}", f"train.output_dir={run_dir}",
                  "train.tensorboard=false", f"train.threads={opts.threads}", f"optim.epochs={opts.epochs}",
                  f"train.log_every={opts.log_every}", "train.resume=auto", "train.eval_every=0"]
@@ -142,7 +143,7 @@ def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
         size = opts.image_size
         overrides += ["data.dataset=imagefolder", "data.mean=[0.485, 0.456, 0.406]", "data.std=[0.229, 0.224, 0.225]",
                       f"model.kwargs.patch_size={max(1, size // 4)}"] + _imagefolder_overrides(opts.data, size)
-    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_deit.yaml", overrides + list(opts.set))
+    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_deit.yaml", overrides + variant_set + list(opts.set))
     final, unfinished = run_trainer(train, cfg)
     if unfinished:
         return unfinished
@@ -154,6 +155,13 @@ def diagnose_deit(run_dir: Path, opts) -> dict:
     from comparison.diagnose import diagnose_deit_run
 
     return diagnose_deit_run(run_dir, max_images=opts.diag_images, batch_size=min(250, opts.diag_images or 250))
+
+
+def topology_settings(spec: RunSpec, opts) -> tuple:
+    """``(topology, trainer overrides)`` of a run: a study's ``variants:`` entry names a topology with its options
+    (``dar_dynamic: {topology: dar, set: [model.kwargs.dar_query=dynamic]}``); any other label is the topology."""
+    variant = (getattr(opts, "variants", None) or {}).get(spec.topology)
+    return (variant["topology"], list(variant.get("set", []))) if variant else (spec.topology, [])
 
 
 def objective_settings(spec: RunSpec, opts) -> dict:
@@ -175,7 +183,8 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
                          "Fashion-MNIST classifier's); for latents use diffusion.train and diffusion.fid directly")
     objective = objective_settings(spec, opts)
     sampler, steps = objective.get("sampler"), objective.get("sample_steps", opts.sample_steps)
-    overrides = [f"model.topology={spec.topology}", f"model.kwargs.depth={spec.depth}", f"optim.lr={spec.lr}",
+    topology, variant_set = topology_settings(spec, opts)
+    overrides = [f"model.topology={topology}", f"model.kwargs.depth={spec.depth}", f"optim.lr={spec.lr}",
                  f"train.seed={spec.seed}", f"train.output_dir={run_dir}", "train.tensorboard=false",
                  f"train.threads={opts.threads}", f"optim.steps={opts.steps}", f"train.log_every={opts.log_every}",
                  "train.resume=auto", "train.sample_every=0", f"train.ema_decay={opts.ema_decay}"]
@@ -190,7 +199,7 @@ def train_dit(spec: RunSpec, run_dir: Path, opts) -> dict:
     if opts.train_images:
         overrides.append(f"data.max_samples={opts.train_images}")
     recipe = ROOT / "configs" / objective.get("config", "fmnist_dit.yaml")
-    cfg = load_config(TrainConfig, recipe, overrides + objective["set"] + list(opts.set))
+    cfg = load_config(TrainConfig, recipe, overrides + variant_set + objective["set"] + list(opts.set))
     final, unfinished = run_trainer(train, cfg)
     if unfinished:
         return unfinished
@@ -222,6 +231,8 @@ def check_run_settings(run_dir: Path, opts, spec: Optional[RunSpec] = None) -> d
         settings["fid_every"] = opts.fid_every
     if spec is not None and spec.objective != DEFAULT_OBJECTIVE:
         settings["objective"] = {"name": spec.objective, **objective_settings(spec, opts)}
+    if spec is not None and spec.topology in (getattr(opts, "variants", None) or {}):
+        settings["variant"] = dict(opts.variants[spec.topology])
     settings_file = run_dir / SETTINGS_FILE
     if settings_file.is_file():
         before = json.loads(settings_file.read_text())

@@ -94,7 +94,7 @@ def parse_args(argv=None):
             raise ValueError
     except ValueError:
         p.error(f"--shard {args.shard}: expected K/N with 0 <= K < N, e.g. 0/2")
-    args.grids, args.objectives, args.fid_every, args.reproduces = None, None, None, None
+    args.grids, args.objectives, args.fid_every, args.reproduces, args.variants = None, None, None, None, None
     if args.study:
         study = dict(STUDIES[args.study])
         given = [k for k in study if k != "grids" and getattr(args, k, None) not in (None, False, [])]
@@ -122,7 +122,7 @@ def parse_args(argv=None):
     args.out = args.out or ROOT / "runs" / f"compare_{args.task}{'_quick' if args.quick else ''}"
     args.report = args.report or args.out
     allowed = topology_names(args.task)
-    bad = [t for t in args.topologies if t not in allowed]
+    bad = [t for t in args.topologies if (args.variants or {}).get(t, {}).get("topology", t) not in allowed]
     if bad:
         p.error(f"--topologies {' '.join(bad)}: unknown for --task {args.task}; choose from {', '.join(allowed)}")
     if args.notes and not args.notes.is_file():
@@ -160,11 +160,16 @@ def run_specs(opts) -> List[RunSpec]:
     return sorted(phase, key=lambda r: (phase[r], r.seed, r.depth, r.lr, objectives[r.objective], order[r.topology]))
 
 
+def _as_list(value) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
 def reused_runs(reuse: Optional[dict], results: Sequence[dict], opts) -> tuple:
-    """A study's ``reuse: {study, topologies, check: {depth, seed}}``: the per-seed results of those topologies
-    from ``docs/results/<study>/summary.json``, at this study's depths and lrs, taken into the report only if this
-    code, retraining the ``check`` runs, gets the same metric to four decimals (the old run folders are not kept,
-    so the finished summary is what the retrained runs are checked against). Returns ``(values, note)``."""
+    """A study's ``reuse: {study, topologies, check: {depth, seed}}`` (a study may list several, one per reused
+    study): the per-seed results of those topologies from ``docs/results/<study>/summary.json``, at this study's
+    depths and lrs, taken into the report only if this code, retraining the ``check`` runs, gets the same metric to
+    four decimals (the old run folders are not kept, so the finished summary is what the retrained runs are checked
+    against). Returns ``(values, note)``."""
     if not reuse:
         return None, ""
     metric = METRIC[opts.task][0]
@@ -234,7 +239,12 @@ def _compare(opts, argv) -> Path:
         (results.append(json.loads(done.read_text())) if done.is_file() else pending.append(spec.name))
     command = "python -m scripts.compare " + " ".join(a for a in argv if a != "--report-only")  # the command that trains
     notes = opts.notes.read_text() if opts.notes else ""
-    reused, reuse_note = reused_runs(getattr(opts, "reuse", None), results, opts)
+    reused, reuse_note = {}, []
+    for reuse in _as_list(getattr(opts, "reuse", None)):  # one entry per study whose runs are reused
+        values, note = reused_runs(reuse, results, opts)
+        reused.update(values or {})
+        reuse_note.append(note)
+    reused, reuse_note = reused or None, " ".join(reuse_note)
     baselines = getattr(opts, "baselines", None) or ()
     objectives = list(dict.fromkeys(s.objective for s in specs))
     if len(objectives) == 1:

@@ -337,6 +337,38 @@ def test_a_study_reuses_another_studys_runs_only_when_its_retrained_pair_matches
     assert values is None and "siamese depth 12 seed 0 is unfinished" in note
 
 
+def test_routing_studies_train_variants_and_reuse_two_studies(tmp_path):
+    """dit_routing's variants are a topology with options (recorded with the run, so a run made with others is not
+    reused); deit_attnres takes deit_depth's Pre-Norm and SiameseNorm and deit_hc_attnres's Block AttnRes, each
+    only when its own retrained check run matches."""
+    from common.config import load_config
+    from comparison.runs import check_run_settings, topology_settings
+    from diffusion.train import TrainConfig
+    from scripts.compare import ROOT, parse_args, reused_runs, run_specs
+
+    opts = parse_args(["--study", "dit_routing", "--feature-weights", __file__, "--out", str(tmp_path)])
+    specs = run_specs(opts)
+    assert len(specs) == 3 + 4 * 6 and [s.topology for s in specs[:7]] == [
+        "pre", "siamese", "attnres", "attnres_block", "dar_t", "dar_dynamic", "siamese_dar"]
+    dynamic = specs[5]
+    topology, overrides = topology_settings(dynamic, opts)
+    assert (topology, overrides) == ("dar", ["model.kwargs.dar_query=dynamic", "model.kwargs.dar_chunk=4"])
+    assert check_run_settings(tmp_path / dynamic.name, opts, dynamic)["variant"]["topology"] == "dar"
+    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_dit.yaml", [f"model.topology={topology}", *overrides])
+    assert cfg.model.kwargs["dar_query"] == "dynamic"
+    deit = parse_args(["--study", "deit_attnres", "--out", str(tmp_path)])
+    old = {(s["study"], s["topology"]): s["values"] for study in ("deit_depth", "deit_hc_attnres")
+           for s in [dict(r, study=study) for r in json.loads((ROOT / f"docs/results/{study}/summary.json").read_text())
+                     if r["depth"] == 12]}
+    checks = [{"topology": t, "depth": 12, "seed": 0, "top1": old[(study, t)][0]}
+              for study, t in (("deit_depth", "pre"), ("deit_depth", "siamese"), ("deit_hc_attnres", "attnres_block"))]
+    found = [reused_runs(reuse, checks, deit) for reuse in deit.reuse]
+    assert set(found[0][0]) == {(d, 1e-3, t) for d in (12, 24) for t in ("pre", "siamese")}
+    assert set(found[1][0]) == {(d, 1e-3, "attnres_block") for d in (12, 24)}
+    checks[2]["top1"] += 0.01
+    assert reused_runs(deit.reuse[1], checks, deit)[0] is None
+
+
 def test_verdicts_against_each_baseline_with_their_95_intervals():
     from comparison.report import add_reused, summarize, verdicts
 
