@@ -12,25 +12,40 @@
 #   bash scripts/studies.sh drain [M] # each process ends once its run in progress has finished (stop after M minutes,
 #                                     # default 60), then carry: a machine that will not stay loses no training
 #
-# STUDIES (default /work/studies) holds the runs; REV (default below) is the commit the studies run from: one
-# snapshot for a study's whole life, so every run computes with the same code; RESULTS: where carry/ is.
+# STUDIES (default /work/studies) holds the runs; each study runs from the snapshot of one commit (REV_OF below) for
+# its whole life, so every run computes with the same code (REV, if set, replaces them all); RESULTS: where carry/ is.
 set -euo pipefail
 STUDIES=${STUDIES:-/work/studies}
-REV=${REV:-737261e}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-CODE=$STUDIES/code_$REV
 RESULTS=${RESULTS:-$REPO/docs/results}  # carry/ lives here
 FLOW=$STUDIES/dit_flow  # dit_hc_attnres shares dit_flow's --out: their DDPM runs are the same folders
 
-# study -> its --out, its extra arguments, the runs it carries (a regex on the run folder's name)
-declare -A OUT=([deit_hc_attnres]=$STUDIES/deit_hc_attnres [dit_flow]=$FLOW [dit_hc_attnres]=$FLOW)
+# study -> its commit, its --out, its extra arguments, the runs it carries (a regex on the run folder's name)
+declare -A REV_OF=([deit_hc_attnres]=737261e [dit_flow]=737261e [dit_hc_attnres]=737261e
+                   [deit_attnres]=8172519 [dit_routing]=8172519)
+declare -A OUT=([deit_hc_attnres]=$STUDIES/deit_hc_attnres [dit_flow]=$FLOW [dit_hc_attnres]=$FLOW
+                [deit_attnres]=$STUDIES/deit_attnres [dit_routing]=$STUDIES/dit_routing)
 declare -A ARGS=(
   [deit_hc_attnres]=""
   [dit_flow]="--feature-weights $FLOW/fmnist_cnn.safetensors --encoder-weights $FLOW/encoder/model.safetensors"
-  [dit_hc_attnres]="--feature-weights $FLOW/fmnist_cnn.safetensors")
+  [dit_hc_attnres]="--feature-weights $FLOW/fmnist_cnn.safetensors"
+  [deit_attnres]=""
+  [dit_routing]="--feature-weights $FLOW/fmnist_cnn.safetensors")
 declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
-                [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_')
-ORDER=(deit_hc_attnres dit_flow dit_hc_attnres)
+                [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_'
+                [deit_attnres]='.' [dit_routing]='.')
+ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing)
+FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres "  # every run done and carried: restored and reported, not started
+
+code_of() {  # the study's code snapshot
+  echo "$STUDIES/code_${REV:-${REV_OF[$1]}}"
+}
+
+running_studies() {  # the studies `start` starts
+  for study in "${ORDER[@]}"; do
+    [[ $FINISHED == *" $study "* ]] || echo "$study"
+  done
+}
 
 pids_of() {  # the study's scripts.compare processes
   pgrep -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
@@ -45,12 +60,15 @@ group_of() {  # a process's group: the study's processes, its runs' workers incl
 }
 
 restore() {
-  if [ ! -x "$CODE/.venv/bin/python" ]; then
-    mkdir -p "$CODE"
-    git -C "$REPO" archive "$REV" | tar -x -C "$CODE"
-    python3 -m venv "$CODE/.venv"
-    "$CODE/.venv/bin/python" -m pip install -q -e "$CODE[test]"
-  fi
+  for study in $(running_studies); do
+    local code
+    code=$(code_of "$study")
+    [ -x "$code/.venv/bin/python" ] && continue
+    mkdir -p "$code"
+    git -C "$REPO" archive "${REV:-${REV_OF[$study]}}" | tar -x -C "$code"
+    python3 -m venv "$code/.venv"
+    "$code/.venv/bin/python" -m pip install -q -e "$code[test]"
+  done
   bash "$REPO/scripts/install_fashion_mnist.sh"
   mkdir -p "$FLOW/encoder"
   [ -f "$FLOW/fmnist_cnn.safetensors" ] || cp "$RESULTS/dit_flow/carry/fmnist_cnn.safetensors" "$FLOW/"
@@ -58,6 +76,7 @@ restore() {
   for study in "${ORDER[@]}"; do
     mkdir -p "${OUT[$study]}/runs"
     for run in "$RESULTS/$study/carry/finished/"*/; do
+      [ -d "$run" ] || continue  # a study with nothing carried yet
       [ -d "${OUT[$study]}/runs/$(basename "$run")" ] || cp -r "$run" "${OUT[$study]}/runs/"
     done
   done
@@ -68,17 +87,18 @@ start() {
   local processes=${1:-1}
   [[ $processes =~ ^[1-9][0-9]*$ ]] ||
     { echo "start takes a number of processes per study, e.g. \`start 2\` (got '$processes')"; exit 2; }
-  [ -x "$CODE/.venv/bin/python" ] ||
-    { echo "no snapshot at $CODE: run \`bash scripts/studies.sh restore\` first"; exit 2; }
-  for study in "${ORDER[@]}"; do
-    local running
+  for study in $(running_studies); do
+    local running code
+    code=$(code_of "$study")
+    [ -x "$code/.venv/bin/python" ] ||
+      { echo "no snapshot at $code: run \`bash scripts/studies.sh restore\` first"; exit 2; }
     running=$(pids_of "$study" | wc -l)
     [ "$running" -eq 0 ] || echo "$study runs already (pids $(pids_of "$study" | paste -sd' '))"
     mkdir -p "$STUDIES/$study"
     for k in $(seq $((running + 1)) "$processes"); do
       local log=$STUDIES/$study/study$([ "$k" -gt 1 ] && echo "$k").log
       # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
-      setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $CODE && PYTHONPATH=$CODE OMP_NUM_THREADS=1 \
+      setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $code && PYTHONPATH=$code OMP_NUM_THREADS=1 \
         exec nice -n 19 .venv/bin/python -m scripts.compare --study $study --out ${OUT[$study]} ${ARGS[$study]} \
         --report $STUDIES/$study/report" >> "$log" 2>&1 < /dev/null &
       echo "$study started; log $log"

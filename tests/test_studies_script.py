@@ -39,11 +39,11 @@ def test_restore_keeps_what_is_there_and_carry_takes_only_the_small_files_of_new
     write(results / "dit_hc_attnres/carry/finished/mhc_d8_lr0.001_s0/result.json")
     write(results / "deit_hc_attnres/carry/finished/hc_d12_lr0.001_s0/result.json")
     write(runs_root / "deit_hc_attnres/runs/hc_d12_lr0.001_s0/metrics.jsonl")  # a run here already: kept as it is
-    snapshot_python = runs_root / "code_737261e/.venv/bin/python"  # the snapshot exists: restore builds nothing
+    snapshot_python = runs_root / "code_test/.venv/bin/python"  # the snapshot exists: restore builds nothing
     write(snapshot_python, "#!/bin/sh\n")
     snapshot_python.chmod(0o755)
 
-    status = studies("restore", tmp_path)
+    status = studies("restore", tmp_path, REV="test")
     flow_runs = runs_root / "dit_flow/runs"
     assert (runs_root / "dit_flow/fmnist_cnn.safetensors").read_text() == "classifier"
     assert (runs_root / "dit_flow/encoder/model.safetensors").read_text() == "encoder"
@@ -53,6 +53,7 @@ def test_restore_keeps_what_is_there_and_carry_takes_only_the_small_files_of_new
     assert "deit_hc_attnres: 0 finished; hc_d12_lr0.001_s0(no checkpoint); stopped" in status
     assert "dit_flow: 1 finished; nothing in progress; stopped" in status
     assert "dit_hc_attnres: 1 finished; nothing in progress; stopped" in status
+    assert "dit_routing: 0 finished; nothing in progress; stopped" in status  # nothing carried yet
 
     write(flow_runs / "mhc_d8_lr0.001_s1/result.json", json.dumps({"fd": 1.0}))
     write(flow_runs / "mhc_d8_lr0.001_s1/config.yaml", "model: {}")
@@ -146,8 +147,9 @@ STARTED_STAND_IN = STAND_IN_SAYING_READY.format(say_ready='open(os.environ["READ
 
 
 def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_one(tmp_path):
-    """`start 2` twice starts two processes per study, not four; `stop` reads each one's own log for its line."""
-    snapshot_python = tmp_path / "studies/code_737261e/.venv/bin/python"  # the snapshot's python: the stand-in
+    """`start 2` twice starts two processes per unfinished study, not four; `stop` reads each one's own log for its
+    line."""
+    snapshot_python = tmp_path / "studies/code_test/.venv/bin/python"  # the snapshot's python: the stand-in
     write(snapshot_python, f"#!/bin/sh\nexec {sys.executable} -c '{STARTED_STAND_IN}' \"$@\"\n")
     snapshot_python.chmod(0o755)
     ready = tmp_path / "ready"
@@ -155,22 +157,24 @@ def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_
     # Read-write: the FIFO never reaches end-of-file, so each stand-in's line waits here until it is read.
     ready_fd = os.open(ready, os.O_RDWR)
     try:
-        said = "".join(studies(command, tmp_path, READY=str(ready)) for command in ("start", "start 2", "start 2"))
+        said = "".join(studies(command, tmp_path, READY=str(ready), REV="test")
+                       for command in ("start", "start 2", "start 2"))
         logs = {study: [tmp_path / f"studies/{study}/study.log", tmp_path / f"studies/{study}/study2.log"]
-                for study in ("deit_hc_attnres", "dit_flow", "dit_hc_attnres")}
+                for study in ("deit_attnres", "dit_routing")}
+        assert "dit_flow" not in said  # finished: not started again
         for study, (first, second) in logs.items():
             assert said.count(f"{study} started; log") == 2
             assert f"{study} started; log {first}" in said and f"{study} started; log {second}" in said
             assert said.count(f"{study} runs already (pids ") == 2
         said_ready = b""  # every handler installed before the SIGTERM
-        while said_ready.count(b"\n") < 6:
-            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the six processes"
+        while said_ready.count(b"\n") < 4:
+            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the four processes"
             said_ready += os.read(ready_fd, 4096)
-        assert said_ready == b"ready\n" * 6
+        assert said_ready == b"ready\n" * 4
         status = studies("status", tmp_path)
-        assert status.count("running (2 processes)") == 3, status
+        assert status.count("running (2 processes)") == 2, status
         said = studies("stop", tmp_path)
-        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 6, said
+        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 4, said
         for study in logs:
             assert f"{study}: 0 finished; nothing in progress; stopped" in said
     finally:
