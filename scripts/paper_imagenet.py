@@ -11,7 +11,9 @@ Jobs: a training per model and topology (``vision.train`` / ``diffusion.train``)
 (Top-1 of the raw model on ImageNet val) and for DiT ``diffusion.sample`` (50,000 EMA samples, 250 DDPM steps) and
 ``diffusion.fid`` (against ADM's reference batch). A job is finished when the file it writes last exists; finished
 jobs are never redone, so rerunning the same command continues the study (trainings resume from their newest
-checkpoint). Before anything runs, the plan is printed: every job, what it waits for, its command and its cost in
+checkpoint). Before anything runs (``--dry-run`` too), every unfinished training's first checks run here, with the
+trainers' own functions: DeiT's image folders (class count, train and val alike), DiT's latents (image size, class count)
+and their VAE; input a job would refuse at its start is refused now, naming the job. Then the plan is printed: every job, what it waits for, its command and its cost in
 GPU-hours (configs/paper_imagenet.yaml says where each figure comes from). Every invocation ends by writing
 ``OUT/report.md`` from the jobs finished so far.
 
@@ -62,6 +64,7 @@ class Job:
     sbatch: List[str] = dataclasses.field(default_factory=list)  # resources other than train.sbatch's 8-GPU node
     gpu_hours: float = 0.0
     source: str = ""  # where the cost figure comes from
+    config: object = None  # a training's loaded config (checked before anything is queued)
 
     @property
     def command(self) -> str:
@@ -144,7 +147,8 @@ def build_jobs(opts, study: dict, costs: Costs) -> List[Job]:
             hours, source = costs.train(model, topology, images)
             trains.append(Job(f"train_{model}_{topology}", module,
                               ["--config", str(ROOT / "configs" / f"{model}_{topology}.yaml"), *sets,
-                               f"train.output_dir={run}"], run / "final_metrics.json", gpu_hours=hours, source=source))
+                               f"train.output_dir={run}"], run / "final_metrics.json", gpu_hours=hours, source=source,
+                              config=cfg))
         jobs += trains
         for topology, train in zip(TOPOLOGIES, trains):
             jobs += evaluation_jobs(model, topology, family, train, opts, study, costs)
@@ -172,6 +176,51 @@ def evaluation_jobs(model: str, topology: str, family: str, train: Job, opts, st
                str(opts.fid_samples), "--extractor-weights", str(opts.inception), "--metrics", "fid", "--quiet",
                "--out", str(samples / "fid.json")], samples / "fid.json", [sample.name], one_gpu, hours, source)
     return [sample, fid]
+
+
+# ----------------------------------------------------------------------------- what the jobs check first
+
+INPUT_OPTIONS = {"vision.train": "data.path is --imagenet; other settings: --set-deit KEY=VALUE",
+                 "diffusion.train": "data.path is --latents, data.autoencoder --vae; other settings: --set-dit KEY=VALUE"}
+
+
+def check_first(module: str, cfg) -> str:
+    """What a training job checks before its first step, by the trainers' own functions: the registries' names, and
+    DeiT's image folders (class count, train and val alike), DiT's latents (image size, class count) and their VAE.
+    Returns what was checked."""
+    from common.config import check_registered
+
+    check_registered(cfg)
+    if module == "vision.train":
+        from vision.data import build_splits
+
+        train, _ = build_splits(cfg.data)
+        return f"{cfg.data.path}: {len(train.classes)} classes in train and val"
+    from diffusion.data import build_images
+    from diffusion.task import build_decoder, latent_vae
+
+    images = build_images(cfg.data)
+    if cfg.data.autoencoder != "none":
+        build_decoder(cfg, "cpu", latent_vae(images))
+    return (f"{cfg.data.path}: {len(images)} latents of {cfg.data.image_size} px images, {cfg.data.num_classes} classes, "
+            f"encoded by {cfg.data.autoencoder}")
+
+
+def check_inputs(jobs: Sequence[Job]) -> None:
+    """Each unfinished training's first checks, once per data setting, before anything is queued: input that every
+    job of the study would meet only at its start (after hours in a queue) is refused here, naming the job."""
+    checked = set()
+    for job in jobs:
+        if job.config is None or job.done.is_file():
+            continue
+        key = (job.module, repr(job.config.data))
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            print(f"checked {job.name}'s inputs as it will: {check_first(job.module, job.config)}", flush=True)
+        except InputError as err:
+            raise InputError(f"{job.name} would stop at its start: {err} ({INPUT_OPTIONS[job.module]})") from None
 
 
 # ----------------------------------------------------------------------------- the plan and the study's state
@@ -423,6 +472,7 @@ def main(argv=None) -> int:
                               *(a for a in argv if a not in ("--dry-run", "--report-only"))])
         status = 0
         if not opts.report_only:
+            check_inputs(jobs)
             print_plan(jobs, opts.launcher)
             if not opts.dry_run:
                 check_state(jobs, opts.out)

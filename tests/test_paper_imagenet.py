@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.refusals import refusal
 from tests.rehearsal import write_image_folder
 from tests.test_bad_input import extract, tiny_vae, write_folder
 
@@ -96,7 +97,7 @@ cat "$LOGS/queued" 2>/dev/null || true
 """
 
 
-def test_slurm_submits_every_job_after_the_ones_it_needs_and_not_twice(tmp_path, monkeypatch, capsys):
+def test_slurm_submits_every_job_after_the_ones_it_needs_and_not_twice(inputs, tmp_path, monkeypatch, capsys):
     from scripts.paper_imagenet import main
 
     bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
@@ -104,12 +105,9 @@ def test_slurm_submits_every_job_after_the_ones_it_needs_and_not_twice(tmp_path,
     for name, text in (("sbatch", SBATCH), ("squeue", SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    paths = []
-    for flag in ("imagenet", "latents", "vae", "inception", "adm-reference"):
-        (tmp_path / flag).mkdir()
-        paths += [f"--{flag}", str(tmp_path / flag)]
     out = tmp_path / "paper"
-    args = ["--launcher", "slurm", "--out", str(out), *paths]
+    args = [str(a) for a in ("--launcher", "slurm", "--out", out, *inputs, "--set-deit", "data.num_classes=2",
+                             "--set-dit", "data.num_classes=2", "data.image_size=32")]  # the tiny inputs' sizes
 
     system_path = os.environ["PATH"]
     monkeypatch.setenv("PATH", str(tmp_path / "logs"))  # no sbatch: one line; --dry-run prints the commands
@@ -132,6 +130,7 @@ def test_slurm_submits_every_job_after_the_ones_it_needs_and_not_twice(tmp_path,
     assert train[:5] == ["--parsable", "--job-name=paper-train_dit_b2_siamese", f"--output={out}/logs/%x-%j.out",
                          "--export=ALL,MODULE=diffusion.train", "scripts/cluster/train.sbatch"]
     assert train[5:7] == ["--config", str(ROOT / "configs/dit_b2_siamese.yaml")]
+    assert train[7:10] == [f"data.path={inputs[3]}", f"data.autoencoder={inputs[5]}", "data.num_classes=2"]
     assert by_name["sample_dit_b2_siamese"][4] == f"--dependency=afterok:{ids['train_dit_b2_siamese']}"
     fid = by_name["fid_dit_b2_siamese"]
     assert fid[3:7] == ["--export=ALL,MODULE=diffusion.fid", f"--dependency=afterok:{ids['sample_dit_b2_siamese']}",
@@ -208,3 +207,34 @@ def test_a_submitted_training_runs_under_the_job_script_and_requeues_when_preemp
     main(args)  # nothing queued any more: the rest is submitted again, the finished training is not
     again = [line.split("\x1f")[1] for line in (logs / "sbatch").read_text().splitlines()[len(calls):]]
     assert "--job-name=paper-train_deit_tiny_pre" not in again and "--job-name=paper-eval_deit_tiny_pre" in again
+
+
+def test_the_dry_run_checks_what_every_training_checks_first(inputs, tmp_path, capsys):
+    """Inputs that pass a check of paths but that every job would refuse at its start, after its wait in the queue:
+    ImageNet with 2 classes for the recipes' 1000, latents of 32 px images for DiT's 256, another VAE than the one
+    that encoded the latents. Each is one line naming the job and the option, before anything is planned or queued."""
+    from scripts.paper_imagenet import main
+
+    out = tmp_path / "paper"
+    base = [str(a) for a in ("--launcher", "slurm", "--out", out, "--dry-run", *inputs)]
+    line = refusal(main, [*base, "--models", "deit_tiny"], capsys)
+    assert line == ("error: train_deit_tiny_pre would stop at its start: the train set has 2 classes but "
+                    "data.num_classes=1000; set data.num_classes=2 (or point data.path at the right folder) (data.path "
+                    "is --imagenet; other settings: --set-deit KEY=VALUE)"), line
+    line = refusal(main, [*base, "--models", "dit_b2"], capsys)
+    assert line == (f"error: train_dit_b2_pre would stop at its start: the latents in {inputs[3]} are of 32px images, "
+                    "the config says data.image_size=256; make them agree (data.path is --latents, data.autoencoder "
+                    "--vae; other settings: --set-dit KEY=VALUE)"), line
+    line = refusal(main, [*base, "--models", "dit_b2", "--set-dit", "data.image_size=32"], capsys)
+    assert line.startswith(f"error: train_dit_b2_pre would stop at its start: the latents in {inputs[3]} have 2 "
+                           "classes, the config says data.num_classes=1000"), line
+    other_vae = str(tiny_vae(tmp_path / "other_vae", seed=1))
+    args = [*base, "--models", "dit_b2", "--set-dit", "data.image_size=32", "data.num_classes=2"]
+    line = refusal(main, [*args[:args.index("--vae") + 1], other_vae, *args[args.index("--vae") + 2:]], capsys)
+    assert line.startswith("error: train_dit_b2_pre would stop at its start: ") and "data.autoencoder" in line, line
+    assert not out.exists()
+    capsys.readouterr()
+    main([*args, "--set-deit", "data.num_classes=2", "--models", "deit_tiny", "dit_b2"])  # the same inputs, sized
+    printed = capsys.readouterr().out
+    assert printed.count("checked train_") == 2 and "checked train_dit_b2_pre's inputs as it will: " in printed
+    assert "Plan (slurm): 10 jobs, 0 finished and kept" in printed

@@ -5,6 +5,7 @@ Fashion-MNIST, image files, loaders.
 * :func:`build_dataset`: ``imagefolder`` reads ``<path>/<split>/<class>/*.jpg`` (ImageNet: ``train/n01440764/
   *.JPEG``) as ``data.format`` stores it (``wds``, ``hf``: :mod:`common.image_sets`, written by ``python -m
   vision.shard``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
+* :func:`build_splits`: both splits, refused unless they list the same classes (what a training checks first).
 * :class:`ReadableImages` (:class:`ReadableImageFolder` for a folder): an unreadable image is replaced by the next
   readable one, with a warning naming it; ``skipped_images(dataset)`` counts the distinct images across DataLoader
   workers; in the val split an unreadable image is left out of the metrics and named instead.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -180,6 +181,16 @@ def build_dataset(cfg: DataConfig, split: str, transform=None, loader: Optional[
         raise InputError(f"the {split} set has {len(dataset.classes)} classes but data.num_classes={cfg.num_classes}; "
                          f"set data.num_classes={len(dataset.classes)} (or point data.path at the right folder)")
     return dataset
+
+
+def build_splits(cfg: DataConfig, train_transform=None, val_transform=None, train_loader: Optional[Callable] = None
+                 ) -> Tuple[Dataset, Dataset]:
+    """The ``train`` and ``val`` splits (:func:`build_dataset`), refused unless they list the same classes: what a
+    training checks of its data before anything else."""
+    train = build_dataset(cfg, "train", train_transform, loader=train_loader)
+    val = build_dataset(cfg, "val", val_transform)
+    check_same_classes(train, val)
+    return train, val
 
 
 # ----------------------------------------------------------------------------- image files

@@ -18,7 +18,7 @@ from timm.scheduler import CosineLRScheduler
 from common import trainer
 from vision.augment import NormalizeErase, build_mixup, build_transform
 from vision.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: F401
-from vision.data import build_dataset, build_eval_loader, check_same_classes, load_rgb_tensor, unreadable_flags
+from vision.data import build_eval_loader, build_splits, load_rgb_tensor, unreadable_flags
 from vision.deit import build_model
 from vision.evaluate import compile_for_eval, evaluate
 
@@ -81,11 +81,10 @@ class DeiTTask(trainer.Task):
 
             require_dali()  # before any data is read
         # Workers decode, crop and augment to uint8 (+ erasing boxes); normalising and erasing run on the device.
-        self.train_set = build_dataset(cfg.data, "train", None if cfg.data.backend == "dali" else
-                                       build_transform(cfg.data, cfg.augment, training=True, use_prefetcher=True),
-                                       loader=load_rgb_tensor)
-        val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, training=False))
-        check_same_classes(self.train_set, val_set)
+        self.train_set, val_set = build_splits(
+            cfg.data, None if cfg.data.backend == "dali" else
+            build_transform(cfg.data, cfg.augment, training=True, use_prefetcher=True),
+            build_transform(cfg.data, training=False), train_loader=load_rgb_tensor)
         self.val_loader = build_eval_loader(val_set, cfg.train.eval_batch_size, cfg.data.num_workers,
                                             accelerator.process_index, accelerator.num_processes,
                                             persistent_workers=True)
