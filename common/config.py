@@ -21,6 +21,8 @@ give (an error names it otherwise); sections are built from their keys. Loading:
 * Checks that need a library's registry (timm's model names, torch-fidelity's feature extractors) are a section's
   ``check_registered()`` method: loading skips them, so that a command line is parsed and refused without
   importing those libraries; :func:`check_registered` runs them (the trainers before any work, ``--print-config``).
+  Settings only a run needs, which a printed config may lack (a data path), are a section's ``check_ready()``
+  (:func:`check_ready`).
 
 Also: :func:`config_to_dict` (plain nested dict), :func:`save_config` (write the resolved config next to a
 run, so the run can be reproduced with ``--config <run>/config.yaml``), :func:`flatten` (dotted keys). Just over
@@ -481,16 +483,28 @@ def describe_settings(schema) -> List[str]:
     return lines
 
 
-def check_registered(cfg) -> None:
-    """Run the checks of a loaded config that need a library's registry: the ``check_registered()`` method of the
-    config and of each of its sections, if they have one (they raise :class:`ConfigError`)."""
+def _run_checks(cfg, method: str) -> None:
+    """``cfg.<method>()`` of each section (depth first) and of the config itself, where they have it."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            check_registered(value)
-    check = getattr(cfg, "check_registered", None)
+            _run_checks(value, method)
+    check = getattr(cfg, method, None)
     if callable(check):
         check()
+
+
+def check_registered(cfg) -> None:
+    """Run the checks of a loaded config that need a library's registry: the ``check_registered()`` method of the
+    config and of each of its sections, if they have one (they raise :class:`ConfigError`)."""
+    _run_checks(cfg, "check_registered")
+
+
+def check_ready(cfg) -> None:
+    """Run the checks of settings that a run needs and a printed config may lack (a data path): the ``check_ready()``
+    method of the config and of each of its sections. A trainer's command line runs them on load, ``--print-config``
+    names what they find after the config instead of refusing it."""
+    _run_checks(cfg, "check_ready")
 
 
 def settings_epilog(schema, examples: Sequence[str] = ()) -> str:
@@ -509,7 +523,9 @@ def config_from_cli(schema: Type[T], argv: Optional[Sequence[str]], *, prog: str
     ``--help`` lists every section and key of ``schema`` with its type, valid values, default and meaning;
     ``--print-config`` prints the resolved config (recipe, its bases and the overrides) and exits; a config error
     exits with status 2 and its message (rank 0 says it, :mod:`common.cli`). Nothing heavy is imported here: the
-    checks that need a library's registry (:func:`check_registered`) are the caller's, before any work.
+    checks that need a library's registry (:func:`check_registered`) are the caller's, before any work. Settings only a
+    run needs (:func:`check_ready`: a data path) are checked here, except that ``--print-config`` prints a config
+    without them and names them in a last comment line.
     """
     import argparse
 
@@ -526,9 +542,15 @@ def config_from_cli(schema: Type[T], argv: Optional[Sequence[str]], *, prog: str
         cfg = load_config(schema, args.config, args.overrides)
         if args.print_config:
             check_registered(cfg)
+        else:
+            check_ready(cfg)
     except ConfigError as err:
         exit_input_error(err)
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        try:
+            check_ready(cfg)
+        except ConfigError as err:
+            print(f"# to run it, also: {err}")  # a YAML comment: the output stays a config file
         parser.exit(0)
     return cfg

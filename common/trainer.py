@@ -36,8 +36,8 @@ from torch.utils.data import Dataset
 
 from common.checkpoint import bare_model, save_weights
 from common.cli import InputError, one_line_errors, process_rank
-from common.config import (ConfigError, Range, check_registered, config_from_cli, config_to_dict, flatten, save_config,
-                           schema_defaults)
+from common.config import (ConfigError, Range, check_ready, check_registered, config_from_cli, config_to_dict, flatten,
+                           save_config, schema_defaults)
 from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, cpu_group,
                                 gather_objects, rank_seed, seed_everything, use_fast_cuda_kernels)
@@ -297,6 +297,7 @@ class Trainer:
 
     def __init__(self, cfg, task):
         check_registered(cfg)  # the names a library's registry must know (timm's models, ...), before any work
+        check_ready(cfg)  # the settings a run needs beyond a printable config (a data path)
         self.cfg, self.task = cfg, task
         self.run: RunConfig = cfg.train
         self.optim = cfg.optim

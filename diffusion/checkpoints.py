@@ -10,13 +10,14 @@ itself (``DiT.convert_state_dict``), as a weights file of any of these formats m
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from common.checkpoint import CheckpointError, load_weights, read_file
+from common.checkpoint import CheckpointError, load_weights, read_file, unwrap_state_dict
 from diffusion.models import DiT
 from diffusion.spec import DiTSpec
 
@@ -53,6 +54,16 @@ def read_checkpoint(path, weights: Optional[str] = None) -> Tuple[Any, Dict[str,
     return raw, found, weights
 
 
+def learns_sigma(state_dict: Dict[str, Any], spec: DiTSpec) -> bool:
+    """Whether the weights' final layer has the learned variance's outputs (``2 p p C``, the published DiT's) or
+    only epsilon's or the velocity's (``p p C``); the spec's own value where the layer is missing or fits neither."""
+    weight = state_dict.get("final_layer.linear.weight")
+    outputs = spec.dit_kwargs()["patch_size"] ** 2 * spec.in_channels
+    if weight is None or weight.shape[0] not in (outputs, 2 * outputs):
+        return spec.learn_sigma
+    return weight.shape[0] == 2 * outputs
+
+
 def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Optional[str] = None
              ) -> Tuple[DiT, DiTSpec, str]:
     """``(model in eval mode, its spec, the weights entry used)`` from any checkpoint (:func:`read_checkpoint`).
@@ -68,11 +79,14 @@ def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Op
         pixel = (overrides.get("autoencoder") or found.get("autoencoder")) == "none"
         overrides["input_size"] = image_size if pixel else image_size // 8
     spec = DiTSpec.resolve(found, overrides)
-    with torch.device("meta"):
-        model = spec.build()
-    model = model.to_empty(device="cpu")
     try:
-        load_weights(model, source, key=key)
+        state_dict = unwrap_state_dict(source, key)
+        if "learn_sigma" not in found:  # a plain state dict: its output layer says (SiT's sample.py builds both)
+            spec = dataclasses.replace(spec, learn_sigma=learns_sigma(state_dict, spec))
+        with torch.device("meta"):
+            model = spec.build()
+        model = model.to_empty(device="cpu")
+        load_weights(model, state_dict)
     except CheckpointError as err:
         raise CheckpointError(f"{checkpoint}: {err}") from None
     return model.eval().requires_grad_(False), spec, key or "weights"

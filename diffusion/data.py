@@ -34,13 +34,16 @@ class DataConfig:
     num_workers: Union[Annotated[int, Range(ge=0)], Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
 
     def __post_init__(self):
-        if self.dataset == "latents" and not self.path:
-            raise ConfigError("data.path is required for dataset=latents: the output directory of "
-                              "`python -m diffusion.extract_latents` (it holds metadata.json)")
         if self.dataset == "fashion_mnist" and self.autoencoder != "none":
             raise ConfigError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
         if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):
             raise ConfigError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
+
+    def check_ready(self) -> None:
+        """The latents' place, needed to run (not to print a config)."""
+        if self.dataset == "latents" and not self.path:
+            raise ConfigError("data.path is required for dataset=latents: the output directory of "
+                              "`python -m diffusion.extract_latents` (it holds metadata.json)")
 
 
 class PixelImages(Dataset):

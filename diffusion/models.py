@@ -315,18 +315,19 @@ class DiT(nn.Module):
         return out if hidden_after is None else (out, hidden)
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float,
-                         guided_channels: Union[int, str] = 3) -> Tensor:
+                         guided_channels: Union[int, str, None] = None) -> Tensor:
         """Classifier-free guidance in one batched forward, in the official DiT calling convention.
 
         The batch is ``[conditional half, unconditional half]``: ``y`` holds the labels then the null
         class, and ``x`` the same latents twice (only the first half of ``x`` is read). The first
         ``guided_channels`` output channels get ``uncond + cfg_scale * (cond - uncond)``, copied to both
         halves; the remaining channels (the rest of epsilon and the learned variance) are the model's
-        own output. The official DiT guides 3 of the 4 latent channels (``guided_channels=3``, its
-        default); ``"all"`` guides every epsilon channel.
+        own output. The official DiT guides 3 of the 4 latent channels (``guided_channels=3``); the
+        default None does so too, and guides every channel of a model with fewer (``min(3, in_channels)``);
+        ``"all"`` guides every epsilon channel.
         """
         n = self.in_channels
-        guided = n if guided_channels == "all" else guided_channels
+        guided = n if guided_channels == "all" else min(3, n) if guided_channels is None else guided_channels
         if not isinstance(guided, int) or isinstance(guided, bool) or not 0 < guided <= n:
             raise InputError(f"guided_channels must be an int in [1, {n}] or 'all', got {guided_channels!r}")
         if x.shape[0] % 2:

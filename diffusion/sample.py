@@ -59,7 +59,8 @@ from common.preemption import command_stop_signals, exit_when_stopped
 from common.topologies import topology_names
 from diffusion.gaussian_diffusion import SPACINGS
 from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
-                                class_names, sampling_objective, write_grid, write_sample_set)
+                                class_names, resolve_guided_channels, sampling_objective, write_grid,
+                                write_sample_set)
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
 # diffusion.models imports timm: it is imported once the command line is checked (a --model or --topology is
@@ -156,10 +157,12 @@ def parse_args(argv=None):
                    help="which steps: 'even' (ADM's \"N\": evenly spaced from 0 to T-1; default for ddpm) or 'ddim' "
                         "(ADM's \"ddimN\": stride T/N from 0; default for ddim, counts without an integer stride "
                         "are refused)")
-    s.add_argument("--eta", type=float, default=0.0, help="DDIM noise (0: deterministic)")
-    s.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
-    s.add_argument("--guided-channels", default="3", help="output channels guided: an int (DiT's and SiT's official "
-                                                          "code: 3) or 'all' (REPA)")
+    s.add_argument("--eta", type=float, default=None, help="--sampler ddim's noise (default 0: deterministic)")
+    s.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale, >= 0 (1: none; "
+                                                                "DiT's and SiT's FID: 1.5)")
+    s.add_argument("--guided-channels", default=None, help="output channels guided: a number or 'all' (REPA); "
+                                                           "default min(3, channels): DiT's and SiT's official 3 "
+                                                           "of 4 latent channels, a 1-channel model's one")
     f = p.add_argument_group("transport models (SiT's sampler options; default: SiT's)")
     f.add_argument("--guidance-interval", default=None, metavar="LOW,HIGH",
                    help="guide only at times LOW <= t <= HIGH (t = 1 is data; default 0,1: always). REPA's "
@@ -209,8 +212,11 @@ def check_args(args) -> None:
             raise SamplingError("--num-samples needs --out-dir (where chunks and samples.npz go)")
     if args.batch_size < 1 or args.steps < 1:
         raise SamplingError("--batch-size and --steps must be positive")
-    if args.guided_channels != "all" and not args.guided_channels.isdigit():
+    if args.guided_channels not in (None, "all") and not args.guided_channels.isdigit():
         raise SamplingError(f"--guided-channels {args.guided_channels!r}: an integer or 'all'")
+    if args.cfg_scale < 0:
+        raise SamplingError(f"--cfg-scale {args.cfg_scale:g} would reverse the guidance: give a scale >= 0 (1: no "
+                            "guidance, above 1: guided, DiT's and SiT's FID use 1.5; 0: the unconditional model)")
     if args.guidance_interval is not None:
         try:
             low, high = (float(v) for v in args.guidance_interval.split(","))
@@ -255,6 +261,12 @@ def build_objective(args, spec):
                                                        **flow_options(args))
     if flow is None:
         args.spacing = args.spacing or ("ddim" if args.sampler == "ddim" else "even")
+    if args.eta is not None and args.sampler != "ddim":
+        fix = ("add --sampler ddim, or drop --eta" if flow is None else
+               "drop --eta (this model was trained with SiT's transport, whose samplers have no eta)")
+        raise SamplingError(f"--eta {args.eta:g} is the noise of --sampler ddim, and this command samples with "
+                            f"{args.sampler}: {fix}")
+    args.eta = args.eta or 0.0
     return objective, flow
 
 
@@ -278,6 +290,7 @@ def main(argv=None) -> Optional[dict]:
         model, spec, args.weights_used = load_dit(args.checkpoint, overrides, args.weights)
         if args.labels is not None:
             check_labels(parse_labels(args.labels), spec.num_classes)  # before the VAE loads
+        args.guided_channels = resolve_guided_channels(args.guided_channels, spec.in_channels, "--guided-channels")
         args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
         objective, flow = build_objective(args, spec)
         decoder = Decoder(spec.autoencoder, device, expect=vars(spec))

@@ -157,18 +157,34 @@ def guided_fn(forward_with_cfg: Callable, labels: Tensor, null_class: int) -> Ca
     return guided
 
 
-def guided_model_fn(model: DiT, labels: Tensor, cfg_scale: float, guided_channels="3") -> Callable[[Tensor, Tensor], Tensor]:
+def resolve_guided_channels(value: Union[int, str, None], channels: int, option: str = "guided_channels") -> str:
+    """The epsilon channels guidance applies to, as a sample set records it: ``"all"`` or a count in
+    ``[1, channels]``. None: the official DiT's and SiT's first 3 (of a latent DiT's 4), or every channel of a model
+    with fewer (a Fashion-MNIST DiT's one). A refusal names ``option``, the setting the caller can change."""
+    if value is None:
+        return str(min(3, channels))
+    text = str(value)
+    if text != "all" and not (text.isdigit() and 1 <= int(text) <= channels):
+        count = "1" if channels == 1 else f"a number from 1 to {channels}"
+        raise SamplingError(f"{option} {text}: this model has {channels} output channel{'s' * (channels > 1)} to "
+                            f"guide; give {count} or 'all', or leave it out (the default guides min(3, {channels}))")
+    return text
+
+
+def guided_model_fn(model: DiT, labels: Tensor, cfg_scale: float, guided_channels=None) -> Callable[[Tensor, Tensor], Tensor]:
     """Classifier-free guidance through the model's ``forward_with_cfg`` (official convention: the first
-    ``guided_channels`` epsilon channels are guided, 3 of DiT's 4 latent channels; ``"all"`` guides every one)."""
+    ``guided_channels`` epsilon channels are guided, by default 3 of DiT's 4 latent channels
+    (:func:`resolve_guided_channels`); ``"all"`` guides every one)."""
     if model.y_embedder.embedding_table.num_embeddings <= model.num_classes:
         raise SamplingError("classifier-free guidance needs a null class, but this model was trained without label "
                             "dropout (class_dropout_prob=0): use --cfg-scale 1")
-    channels = guided_channels if guided_channels == "all" else int(guided_channels)
+    guided = resolve_guided_channels(guided_channels, model.in_channels)
+    channels = guided if guided == "all" else int(guided)
     return guided_fn(partial(model.forward_with_cfg, cfg_scale=cfg_scale, guided_channels=channels), labels,
                      model.num_classes)
 
 
-def model_fn_for(model: DiT, labels: Tensor, cfg_scale: float = 1.0, guided_channels="3") -> Callable[[Tensor, Tensor], Tensor]:
+def model_fn_for(model: DiT, labels: Tensor, cfg_scale: float = 1.0, guided_channels=None) -> Callable[[Tensor, Tensor], Tensor]:
     """``(x_t, timesteps) -> output`` for ``labels``; guided when ``cfg_scale != 1`` (at 1 guidance equals the
     plain forward, so its second half-batch is skipped, as in DiT)."""
     if cfg_scale == 1.0:
@@ -256,6 +272,12 @@ class FlowSampling:
     def sde(self) -> bool:
         return self.sampler.startswith("sde-")
 
+    def applies(self, option: str) -> bool:
+        """Whether this sampler reads ``option``: the SDE's settings only the SDEs, the tolerances only dopri5."""
+        if option in ("diffusion_form", "diffusion_norm", "last_step", "last_step_size"):
+            return self.sde
+        return self.sampler == "dopri5" if option in ("atol", "rtol") else True
+
     def time_grid(self, transport: Transport) -> Tensor:
         """The ``steps`` times the chain visits (float32, as SiT's ``linspace``)."""
         if self.sde:
@@ -275,15 +297,12 @@ class FlowSampling:
 
     def settings(self, transport: Transport) -> dict:
         """What the sampling protocol records: the options that apply to this sampler, and the grid."""
-        used = {k: v for k, v in asdict(self).items() if self.sde or k not in (
-            "diffusion_form", "diffusion_norm", "last_step", "last_step_size")}
-        if self.sampler != "dopri5":
-            used.pop("atol"), used.pop("rtol")
+        used = {k: v for k, v in asdict(self).items() if self.applies(k)}
         used["guidance_interval"] = list(self.guidance_interval)
         return {**used, "time_grid": self.time_grid(transport).tolist()}
 
 
-def transport_predict(model: DiT, labels: Tensor, cfg_scale: float = 1.0, guided_channels="3",
+def transport_predict(model: DiT, labels: Tensor, cfg_scale: float = 1.0, guided_channels=None,
                       interval: Tuple[float, float] = (0.0, 1.0)) -> Callable[[Tensor, float], Tensor]:
     """``(x_t, t) -> prediction`` for ``labels`` at the host-side time ``t``: guided inside ``interval`` (when
     ``cfg_scale != 1``), the plain conditional forward outside it; of a learned-sigma network's ``2C`` channels the
@@ -349,6 +368,12 @@ def sampling_objective(spec: DiTSpec, steps: int, sampler: Optional[str] = None,
                                 f"{spec.transport['prediction']} prediction): sample it with "
                                 f"{', '.join(TRANSPORT_SAMPLERS)} (no --spacing)")
         flow = FlowSampling(sampler=sampler or "sde-euler", steps=steps, **flow_options)
+        ignored = ["--" + k.replace("_", "-") for k in flow_options if not flow.applies(k)]
+        if ignored:
+            it = "them" if len(ignored) > 1 else "it"
+            raise SamplingError(f"{', '.join(ignored)}: --sampler {flow.sampler} does not read {it} (--atol and --rtol "
+                                "set dopri5's adaptive steps, --diffusion-* and --last-step* the SDE samplers', "
+                                f"sde-euler and sde-heun); drop {it}, or choose a --sampler that reads {it}")
         return Transport.from_description(spec.transport), flow.sampler, flow
     if sampler in TRANSPORT_SAMPLERS or flow_options:
         given = [f"sampler {sampler}"] * (sampler in TRANSPORT_SAMPLERS) + [k.replace("_", " ") for k in sorted(flow_options)]
@@ -448,7 +473,7 @@ class Sampler:
     sampler: str = "ddpm"
     eta: float = 0.0
     cfg_scale: float = 1.0
-    guided_channels: str = "3"
+    guided_channels: Optional[str] = None  # None: resolve_guided_channels's default for the model
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"
@@ -461,6 +486,7 @@ class Sampler:
             self.sampler = self.flow.sampler
         else:
             self.diffusion.to(self.device)  # the schedule next to the model: no host-to-device copy per step
+        self.guided_channels = resolve_guided_channels(self.guided_channels, self.model.in_channels)
         autocast(self.device, self.precision)  # an unknown precision fails here, before any sampling
         self.compiled_batch: Optional[int] = None
         if self.compile:
@@ -564,13 +590,24 @@ def write_pngs(folder: Path, chunk_files: Sequence[Path], protocol: dict) -> Non
     atomic_write_text(folder / SAMPLING_PROTOCOL_FILE, json.dumps(protocol, indent=2))
 
 
+def held_samples(out_dir: Path) -> List[Path]:
+    """What a sample set in ``out_dir`` holds so far: its chunks, ``samples.npz`` and PNGs (the first of each)."""
+    found = [next(out_dir.glob(pattern), None) for pattern in ("chunks/chunk_*.npz", "samples.npz", "images/*.png")]
+    return [p for p in found if p is not None]
+
+
 def check_resume(out_dir: Path, settings: dict) -> None:
-    """Refuse to add samples to a directory whose finished chunks were made otherwise (options or weights)."""
+    """Refuse to add samples to a directory whose samples were made otherwise (options or weights). The settings of
+    a command that ended before its first chunk bind nothing: a folder without samples takes the new settings."""
     settings_file = out_dir / SETTINGS_FILE
+    held = held_samples(out_dir)
     if not settings_file.is_file():
-        if any((out_dir / "chunks").glob("chunk_*.npz")):
-            raise SamplingError(f"{out_dir / 'chunks'} holds sample chunks but no {SETTINGS_FILE}, so nothing says "
-                                "which weights and options made them; use a new --out-dir (or delete the chunks)")
+        if held:
+            raise SamplingError(f"{out_dir} holds samples ({held[0].relative_to(out_dir)}) but no {SETTINGS_FILE}, so "
+                                "nothing says which weights and options made them; use a new --out-dir (or delete "
+                                "them)")
+        return
+    if not held:
         return
     old = json.loads(settings_file.read_text())
     # The weights are compared by content (weights_sha256); the path is only recorded, so a moved file resumes.

@@ -188,9 +188,10 @@ def check_first(module: str, cfg) -> str:
     """What a training job checks before its first step, by the trainers' own functions: the registries' names, and
     DeiT's image folders (class count, train and val alike), DiT's latents (image size, class count) and their VAE.
     Returns what was checked."""
-    from common.config import check_registered
+    from common.config import check_ready, check_registered
 
     check_registered(cfg)
+    check_ready(cfg)
     if module == "vision.train":
         from vision.data import build_splits
 

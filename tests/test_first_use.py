@@ -176,3 +176,25 @@ def test_a_teacher_file_that_does_not_fit_is_one_short_line_naming_both_settings
     assert "does not fit distill.teacher=regnety_160 with 10 classes (data.num_classes): 428 missing keys (" in line
     assert "; 86 unexpected keys (conv1.0.weight, " in line and "strict=False" not in line and len(line) < 500, line
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------------- --print-config
+
+@pytest.mark.parametrize("trainer, recipe", [("vision.train", "deit_tiny_siamese.yaml"),
+                                             ("diffusion.train", "dit_b2_siamese.yaml")])
+def test_print_config_prints_a_recipe_without_its_data_path_and_says_what_a_run_still_needs(trainer, recipe, capsys):
+    """data.path is needed to run, not to read the resolved recipe: --print-config prints it (exit 0), its last line a
+    YAML comment naming the missing setting; a run of the same command is refused with that line."""
+    import importlib
+
+    import yaml
+
+    main = importlib.import_module(trainer).main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(ROOT / "configs" / recipe), "--print-config"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    assert yaml.safe_load(out)["data"]["path"] is None and yaml.safe_load(out)["optim"]["batch_size"] >= 256
+    assert out.splitlines()[-1].startswith("# to run it, also: data.path is required for dataset="), out[-300:]
+    line = refusal(main, ["--config", ROOT / "configs" / recipe], capsys)
+    assert line.startswith("error: data.path is required for dataset="), line

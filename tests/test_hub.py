@@ -218,3 +218,21 @@ def test_export_refusals_are_one_line(tmp_path, monkeypatch, capsys):
     to_diffusers_transformer(tiny_dit("pre")[0]).save_pretrained(tmp_path / "other")
     with pytest.raises(SystemExit, match="describes a DiTTransformer2DModel, not a DiTModel"):
         sample_main(["--checkpoint", str(tmp_path / "other"), "--grid", str(tmp_path / "g.png")])
+
+
+@pytest.mark.parametrize("topology", ["pre", "siamese"])
+def test_the_documented_guided_pipeline_call_works_on_a_one_channel_model(tmp_path, topology):
+    """``pipe(labels, guidance_scale=1.5)`` as docs/models.md shows it, on an exported DiT with one channel
+    (Fashion-MNIST's): the default guides that channel, as diffusion.sample does; a count the model has not is
+    refused, naming guided_channels."""
+    model, spec = tiny_dit(topology)
+    ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata())
+    export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "pipe"), "--format", "diffusers", "--quiet"])
+    pipe = DiTSamplingPipeline.from_pretrained(tmp_path / "pipe", trust_remote_code=True)
+    labels, generators = [0, 3], lambda: sample_generators(0, range(2))
+    got = pipe(labels, num_inference_steps=3, guidance_scale=1.5, generator=generators(), output_type="latent").images
+    expected = sample_loop(model_fn_for(model, torch.tensor(labels), 1.5), spec.diffusion(sampling_steps=3),
+                           generators(), spec.shape)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="guided_channels 3: this model has 1 output channel to guide"):
+        pipe(labels, num_inference_steps=3, guidance_scale=1.5, guided_channels=3)

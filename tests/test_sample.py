@@ -533,3 +533,67 @@ def test_bf16_sampling_is_a_recorded_switch(tiny, tmp_path):
     assert 0 < np.abs(a - b).mean() < 1  # bfloat16 matmuls move a few pixels; the chain stays in float32
     with pytest.raises(SystemExit, match="other settings.*precision"):
         main(sample_args(tiny, tmp_path / "fp32", "--precision", "bf16"))
+
+
+# ------------------------------------------------------------------------------------------- first-time traps
+
+def test_guidance_defaults_to_dits_3_of_4_channels_and_to_every_channel_of_a_smaller_model(tiny, tmp_path):
+    """DiT's and SiT's official code guide the first 3 of 4 latent channels; a Fashion-MNIST DiT has one, which the
+    default guides (the command line, the trainer's grid sampler and forward_with_cfg alike)."""
+    from diffusion.sampler import Decoder, Sampler, resolve_guided_channels
+
+    assert [resolve_guided_channels(None, c) for c in (1, 2, 3, 4, 16)] == ["1", "2", "3", "3", "3"]
+    out = main(sample_args(tiny, tmp_path / "guided", "--cfg-scale", "1.5"))
+    assert out["protocol"]["guided_channels"] == "1" and out["protocol"]["cfg_scale"] == 1.5
+    model, spec, _ = load_dit(tiny, {})
+    grids = Sampler(model, spec, Decoder("none", "cpu"), spec.diffusion(sampling_steps=2), cfg_scale=1.5)  # as the trainer
+    assert grids.guided_channels == "1" and grids(torch.arange(2), torch.tensor([0, 1])).shape == (2, 1, 8, 8)
+    t, y = torch.tensor([3, 700, 3, 700]), torch.tensor([1, 2, 5, 5])  # [labels; null class], as DiT calls it
+    for net, same in ((model, "all"), (tiny_model(in_channels=4), 3)):
+        x = torch.randn(2, net.in_channels, 8, 8).repeat(2, 1, 1, 1)
+        default = net.forward_with_cfg(x, t, y, 2.0)
+        torch.testing.assert_close(default, net.forward_with_cfg(x, t, y, 2.0, same), rtol=0, atol=0)
+        assert not torch.allclose(default[:2, :1], net(x, t, y)[:2, :1], atol=1e-3)  # guided
+    assert not torch.allclose(default, net.forward_with_cfg(x, t, y, 2.0, "all"), atol=1e-3)  # not DiT's 4th channel
+
+
+def test_a_command_that_failed_before_its_first_sample_leaves_the_folder_to_the_corrected_one(tmp_path, capsys):
+    """Guidance on a model without a null class is refused at its first chunk, after settings.json was written, with
+    "use --cfg-scale 1"; that command then runs in the same folder. A folder that holds samples stays bound to
+    their settings, also when only samples.npz is left of them."""
+    import shutil
+
+    from tests.refusals import refusal
+
+    no_null = save_tiny(tmp_path / "no_null.safetensors", class_dropout_prob=0.0)
+    out = tmp_path / "set"
+    err = refusal(main, sample_args(no_null, out, "--cfg-scale", "1.5"), capsys)
+    assert "use --cfg-scale 1" in err and (out / "settings.json").is_file() and not list(out.glob("chunks/*"))
+    done = main(sample_args(no_null, out))
+    assert done["protocol"]["cfg_scale"] == 1.0 and len(np.load(out / "samples.npz")["arr_0"]) == 10
+    shutil.rmtree(out / "chunks")
+    kept = (out / "samples.npz").read_bytes()
+    with pytest.raises(SystemExit, match="holds samples made with other settings.*steps"):
+        main(sample_args(no_null, out, "--steps", "5"))
+    assert (out / "samples.npz").read_bytes() == kept
+
+
+def test_a_plain_sit_state_dict_without_learned_sigma_loads_by_its_shapes(tmp_path):
+    """SiT's sample.py builds its models with or without the learned-sigma outputs; a plain state dict says which by
+    its final layer's size (p p C or 2 p p C), so ``--model SiT-S/8`` reads both."""
+    from diffusion.models import DiT_models
+
+    for learn_sigma in (False, True):
+        with torch.device("meta"):
+            sit = DiT_models["DiT-S/8"](input_size=16, in_channels=4, num_classes=5, learn_sigma=learn_sigma)
+        sit = sit.to_empty(device="cpu")
+        with torch.no_grad():
+            for i, tensor in enumerate(sit.state_dict().values()):
+                tensor.copy_(0.02 * torch.randn(tensor.shape, generator=torch.Generator().manual_seed(i)))
+        plain = tmp_path / f"sit_{learn_sigma}.pt"
+        torch.save(sit.state_dict(), plain)
+        out = main(["--checkpoint", str(plain), "--model", "SiT-S/8", "--image-size", "16", "--vae", "none",
+                    "--num-classes", "5", "--num-samples", "2", "--out-dir", str(tmp_path / f"s_{learn_sigma}"),
+                    "--sampler", "euler", "--steps", "3", "--quiet"])
+        assert out["protocol"]["model"]["learn_sigma"] is learn_sigma
+        assert out["protocol"]["objective"]["prediction"] == "velocity"

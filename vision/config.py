@@ -68,16 +68,19 @@ class DataConfig:
     max_val_samples: Optional[Annotated[int, Range(ge=1)]] = None  # evaluate on the first N val images
 
     def __post_init__(self):
-        if self.dataset == "imagefolder" and not self.path:
-            raise ConfigError("data.path is required for dataset=imagefolder: the directory that holds "
-                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG (or their "
-                              "shards, with data.format)")
         if self.format != "imagefolder" and self.dataset != "imagefolder":
             raise ConfigError(f"data.format={self.format} reads ImageNet-like data from data.path; "
                               f"data.dataset={self.dataset} has its own files: leave data.format=imagefolder")
         if self.format != "imagefolder" and self.backend == "dali":
             raise ConfigError(f"data.backend=dali reads image files: it needs data.format=imagefolder (data.format="
                               f"{self.format} runs on data.backend=torch)")
+
+    def check_ready(self) -> None:
+        """The images' place, needed to run (not to print a config)."""
+        if self.dataset == "imagefolder" and not self.path:
+            raise ConfigError("data.path is required for dataset=imagefolder: the directory that holds "
+                              f"{self.train_split}/<class>/*.JPEG and {self.val_split}/<class>/*.JPEG (or their "
+                              "shards, with data.format)")
 
 
 @dataclass

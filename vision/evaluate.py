@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from common.cli import ArgumentParser, InputError, one_line_errors
-from common.config import check_registered, deep_merge, from_dict, parse_overrides, read_yaml, settings_epilog
+from common.config import (check_ready, check_registered, deep_merge, from_dict, parse_overrides, read_yaml,
+                           settings_epilog)
 from common.data import pad_batch
 from common.durable import atomic_write_text
 from vision.config import DataConfig, EvalConfig, ModelConfig, TrainConfig  # noqa: F401  (the settings, without timm)
@@ -142,6 +143,7 @@ def load_eval_config(path: Optional[str], overrides) -> EvalConfig:
         values = {k: v for k, v in values.items() if k in evaluation & training}
     values = deep_merge(values, parse_overrides(overrides))
     cfg = from_dict(EvalConfig, values)
+    check_ready(cfg)
     if cfg.checkpoint is None and not cfg.model.pretrained:
         raise InputError(f"no weights to evaluate: without checkpoint= (and model.pretrained=false) the model would be "
                          f"scored at its random initialisation; pass {suggest_weights(run_dirs)}")
