@@ -176,10 +176,8 @@ class TarImages(ImageSet):
         self._open.move_to_end(shard)
         return fd
 
-    def read(self, i: int) -> bytearray:
-        data = bytearray(int(self.sizes[i]))
-        os.preadv(self._fd(int(self.shard_of[i])), [data], int(self.offsets[i]))  # a short read fails to decode
-        return data
+    def read(self, i: int) -> bytes:
+        return os.pread(self._fd(int(self.shard_of[i])), int(self.sizes[i]), int(self.offsets[i]))  # short: undecodable
 
     def name(self, i: int) -> str:
         shard = int(self.shard_of[i])
@@ -213,13 +211,27 @@ class HfImages(ImageSet):
         check_labels(self.labels, len(self.classes), lambda i: f"{self.where}#{i}")
         self.column = image[0]
         self.images = dataset.select_columns([self.column]).cast_column(self.column, ImageFeature(decode=False))
+        self._rows = None  # the image column's Arrow data, opened per process (memory-mapped)
+
+    def __getstate__(self):  # a pickled copy (a spawned worker) maps the files itself, never copies the table
+        return {**self.__dict__, "_rows": None}
+
+    def _stored(self, i: int) -> dict:
+        """``{"bytes", "path"}`` of row ``i``: from the Arrow column, a tenth of ``datasets``' row formatting, where
+        its rows are the dataset's (no indices mapping reorders them)."""
+        if self._rows is None:
+            direct = getattr(self.images, "_indices", None) is None
+            self._rows = self.images.data.column(self.column) if direct else False
+        if self._rows is False:
+            return self.images[int(i)][self.column]
+        return self._rows[int(i)].as_py()
 
     def read(self, i: int):
-        stored = self.images[int(i)][self.column]
+        stored = self._stored(i)
         return stored["bytes"] if stored["bytes"] is not None else stored["path"]
 
     def name(self, i: int) -> str:
-        stored = self.images[int(i)][self.column]
+        stored = self._stored(i)
         return f"{self.where}#{i}" + (f" ({stored['path']})" if stored.get("path") else "")
 
 

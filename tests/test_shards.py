@@ -219,12 +219,21 @@ def test_format_settings_are_checked_with_the_config():
         load_config(TrainConfig, ROOT / "configs/deit_tiny_siamese.yaml", ["data.path=x", "data.format=zip"])
 
 
-def test_a_worker_reads_tars_through_its_own_descriptors(data):
-    """The shard descriptors a process opened stay its own: a pickled copy (a spawned worker) opens its own."""
+def test_a_spawned_worker_opens_the_shards_itself(data):
+    """What a process opened stays its own: a pickled copy (a spawned worker) opens its own tar descriptors and maps
+    the Arrow files itself (a pickled column would copy the table). A dataset whose rows an indices mapping reorders
+    is read through ``datasets``' rows, not the Arrow column."""
     import pickle
 
     tars = TarImages(data["wds"] / "train")
-    first = bytes(tars.read(0))
+    first = tars.read(0)
     copy = pickle.loads(pickle.dumps(tars))
-    assert copy._open == {} and bytes(copy.read(0)) == first and set(tars._open) == {0}
+    assert copy._open == {} and copy.read(0) == first and set(tars._open) == {0}
     assert os.fstat(tars._open[0]).st_size == (data["wds"] / "train" / "shard-000000.tar").stat().st_size
+
+    rows = open_image_set("hf", data["hf"], "train")
+    last = rows.read(len(rows) - 1)
+    assert rows._rows is not None and len(pickle.dumps(rows)) < 10_000
+    assert pickle.loads(pickle.dumps(rows))._rows is None
+    rows.images, rows._rows = rows.images.select(range(len(rows) - 1, -1, -1)), None
+    assert rows.read(0) == last and rows._rows is False
