@@ -43,7 +43,7 @@ from typing import Callable, Dict, Optional, Union
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from timm.layers import Attention, Mlp, PatchEmbed
+from timm.layers import AttentionRope, GluMlp, Mlp, PatchEmbed, RotaryEmbeddingCat
 
 from common.cli import InputError
 from common.checkpoint import convert_state_dict
@@ -54,9 +54,10 @@ DIT_TOPOLOGIES = topology_names("dit")
 Tensor = torch.Tensor
 
 
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN: per-sample shift and scale broadcast over the tokens."""
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+def modulate(x: Tensor, shift: Optional[Tensor], scale: Tensor) -> Tensor:
+    """adaLN: per-sample shift (none with LightningDiT's ``wo_shift``) and scale broadcast over the tokens."""
+    x = x * (1 + scale.unsqueeze(1))
+    return x if shift is None else x + shift.unsqueeze(1)
 
 
 def affine_layer_norm(dim: int) -> nn.LayerNorm:
@@ -66,6 +67,32 @@ def affine_layer_norm(dim: int) -> nn.LayerNorm:
 def plain_layer_norm(dim: int) -> nn.LayerNorm:
     """DiT's own LayerNorm: no affine parameters, adaLN supplies shift and scale."""
     return nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
+
+
+def rms_norm(dim: int, **factory) -> nn.RMSNorm:
+    """LightningDiT's RMSNorm: a learned weight, epsilon 1e-6, in every place a LayerNorm would be."""
+    return nn.RMSNorm(dim, eps=LN_EPS, **factory)
+
+
+# The backbone switches (LightningDiT's): norm -> (the streams' norms, a sublayer's input norm, q/k norms), the MLP.
+NORMS = {"layernorm": (affine_layer_norm, plain_layer_norm, nn.LayerNorm), "rmsnorm": (rms_norm, rms_norm, rms_norm)}
+MLPS = ("gelu", "swiglu")
+
+
+def check_backbone(norm: str, mlp: str) -> None:
+    if norm not in NORMS:
+        raise InputError(f"norm={norm!r} is not a norm; choose one of {', '.join(NORMS)}")
+    if mlp not in MLPS:
+        raise InputError(f"mlp={mlp!r} is not an MLP; choose one of {', '.join(MLPS)}")
+
+
+def mlp_layer(mlp: str, hidden_size: int, mlp_ratio: float) -> nn.Module:
+    """DiT's GELU (tanh) MLP, or LightningDiT's SwiGLU with 2/3 of the hidden width (timm's ``GluMlp``: ``fc1``
+    gives both halves, SiLU on the first)."""
+    hidden = int(hidden_size * mlp_ratio)
+    if mlp == "swiglu":
+        return GluMlp(hidden_size, 2 * int(2 / 3 * hidden), act_layer=nn.SiLU, gate_last=False)
+    return Mlp(hidden_size, hidden, act_layer=partial(nn.GELU, approximate="tanh"))
 
 
 def sincos_pos_embed_1d(dim: int, positions: Tensor) -> Tensor:
@@ -139,37 +166,56 @@ class LabelEmbedder(nn.Module):
 class DiTBlock(ResidualBlock):
     """DiT's sublayers (attention and MLP, each adaLN-Zero modulated and gated) for a residual topology.
 
-    ``forward(state, c)`` computes the six modulation vectors from the conditioning ``c`` once and hands them to
-    the topology's update as the sublayers' ``ctx``. Built on a topology by
+    ``forward(state, c)`` computes the modulation vectors from the conditioning ``c`` once and hands them to the
+    topology's update as the sublayers' ``ctx``. Built on a topology by
     :meth:`common.topologies.TopologyPlan.build_block`; ``**topology_options`` go to the topology's block.
+
+    The backbone switches (LightningDiT's; any topology): ``norm="rmsnorm"`` puts an RMSNorm in every norm's place
+    (the sublayers' input norms, the streams' norms, QK-norm's), ``mlp="swiglu"``, ``qk_norm``, ``wo_shift`` (adaLN
+    scales and gates without shifts: four vectors, not six) and ``rope``, the 2-D rotary embedding that attention
+    applies to queries and keys (one module shared by every block).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, layer_index: int = 0,
-                 **topology_options):
-        super().__init__(hidden_size, layer_index, norm_layer=affine_layer_norm, input_norm_layer=plain_layer_norm,
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, layer_index: int = 0, *,
+                 norm: str = "layernorm", mlp: str = "gelu", qk_norm: bool = False, wo_shift: bool = False,
+                 rope: Optional[RotaryEmbeddingCat] = None, **topology_options):
+        stream_norm, input_norm, qk_norm_layer = NORMS[norm]
+        super().__init__(hidden_size, layer_index, norm_layer=stream_norm, input_norm_layer=input_norm,
                          **topology_options)
-        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=partial(nn.GELU, approximate="tanh"))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        self.attn = AttentionRope(hidden_size, num_heads=num_heads, qkv_bias=True, num_prefix_tokens=0,
+                                  qk_norm=qk_norm, norm_layer=qk_norm_layer)
+        self.mlp = mlp_layer(mlp, hidden_size, mlp_ratio)
+        self.modulations = 4 if wo_shift else 6
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, self.modulations * hidden_size))
+        self.rope = rope
 
     def forward(self, state, c: Tensor):
         return super().forward(state, self.adaLN_modulation(c))
 
+    def modulation(self, ctx: Tensor, sublayer: int):
+        """``(shift or None, scale, gate)`` of sublayer 0 (attention) or 1 (MLP)."""
+        parts = ctx.chunk(self.modulations, dim=1)
+        if self.modulations == 4:
+            return (None, *parts[2 * sublayer: 2 * sublayer + 2])
+        return parts[3 * sublayer: 3 * sublayer + 3]
+
     def sublayer1(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
-        shift, scale, gate = ctx.chunk(6, dim=1)[:3]
-        return gate.unsqueeze(1) * self.attn(modulate(h, shift, scale))
+        shift, scale, gate = self.modulation(ctx, 0)
+        rope = self.rope.get_embed() if self.rope is not None else None
+        return gate.unsqueeze(1) * self.attn(modulate(h, shift, scale), rope=rope)
 
     def sublayer2(self, h: Tensor, ctx: Optional[Tensor]) -> Tensor:
-        shift, scale, gate = ctx.chunk(6, dim=1)[3:]
+        shift, scale, gate = self.modulation(ctx, 1)
         return gate.unsqueeze(1) * self.mlp(modulate(h, shift, scale))
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated non-affine LayerNorm and a linear map to ``patch*patch*out_channels`` per token."""
+    """adaLN-modulated non-affine LayerNorm (``norm="rmsnorm"``: LightningDiT's RMSNorm) and a linear map to
+    ``patch*patch*out_channels`` per token."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
         super().__init__()
-        self.norm_final = plain_layer_norm(hidden_size)
+        self.norm_final = NORMS[norm][1](hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
@@ -199,6 +245,8 @@ class DiT(nn.Module):
         num_classes: number of classes (1000 for ImageNet).
         learn_sigma: output ``2*in_channels`` channels (epsilon and the variance interpolation).
         topology: ``pre`` (the published DiT), ``post``, ``siamese``, or another of :data:`DIT_TOPOLOGIES`.
+        norm, mlp, qk_norm, wo_shift, rope: the backbone switches (:class:`DiTBlock`; LightningDiT's are
+            ``norm="rmsnorm", mlp="swiglu", rope=True``); they compose with every topology.
         **topology_options: the topology's options (``normalized_input``, ``depth_scaling``, ``recompute_norms``,
             ``mixln_post_blocks``, ``hc_streams``, ...: each topology's registration in :mod:`common.topologies`
             names its own and their defaults; an option of another topology is refused).
@@ -217,9 +265,15 @@ class DiT(nn.Module):
         num_classes: int = 1000,
         learn_sigma: bool = True,
         topology: str = "pre",
+        norm: str = "layernorm",
+        mlp: str = "gelu",
+        qk_norm: bool = False,
+        wo_shift: bool = False,
+        rope: bool = False,
         **topology_options,
     ):
         super().__init__()
+        check_backbone(norm, mlp)
         plan = resolve_topology(topology, depth, "dit", **topology_options)
         if input_size % patch_size:
             raise InputError(f"input_size={input_size} is not divisible by patch_size={patch_size}; "
@@ -243,11 +297,15 @@ class DiT(nn.Module):
         # A frozen parameter, not a buffer, so that the official checkpoints' `pos_embed` key and
         # parameter counts (which include it) match.
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
+        grid = input_size // patch_size
+        # LightningDiT's 2-D rotary embedding (EVA's layout: rows then columns, frequency pairs interleaved)
+        self.rope = RotaryEmbeddingCat(hidden_size // num_heads, in_pixels=False, feat_shape=[grid, grid]) if rope else None
         self.streams = plan.streams(hidden_size)
-        self.blocks = nn.ModuleList(plan.build_block(DiTBlock, i, hidden_size, num_heads, mlp_ratio, layer_index=i)
-                                    for i in range(depth))
-        self.fusion = plan.output(hidden_size, affine_layer_norm, final_norm=False)
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        backbone = dict(norm=norm, mlp=mlp, qk_norm=qk_norm, wo_shift=wo_shift, rope=self.rope)
+        self.blocks = nn.ModuleList(plan.build_block(DiTBlock, i, hidden_size, num_heads, mlp_ratio, layer_index=i,
+                                                     **backbone) for i in range(depth))
+        self.fusion = plan.output(hidden_size, NORMS[norm][0], final_norm=False)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm)
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -342,10 +400,15 @@ class DiT(nn.Module):
         * official facebookresearch/DiT (Pre-Norm) and SiT: the names are already ours;
         * public SiameseNorm DiT: ``blocks.i.prenorm{j}/postnorm{j}`` -> ``pre_norm{j}/post_norm{j}``,
           top-level ``postnorm`` (applied to X) -> ``fusion.norm_x``, ``prenorm`` (applied to Y) -> ``fusion.norm_y``;
-        * REPA's projector (``projectors.*``, :mod:`diffusion.repa`) trains only: dropped for a model without one.
+        * REPA's projector (``projectors.*``, :mod:`diffusion.repa`) trains only: dropped for a model without one;
+        * LightningDiT: SwiGLU's ``mlp.w12``/``mlp.w3`` -> ``mlp.fc1``/``mlp.fc2`` (timm's ``GluMlp``); its rotary
+          tables (``feat_rope.*``) are computed here, not loaded.
         """
         if model is None or not hasattr(model, "projectors"):
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith("projectors.")}
+        if any(".mlp.w12." in k or k.startswith("feat_rope.") for k in state_dict):
+            state_dict = {k.replace(".mlp.w12.", ".mlp.fc1.").replace(".mlp.w3.", ".mlp.fc2."): v
+                          for k, v in state_dict.items() if not k.startswith("feat_rope.")}
         if not any(k.startswith(("prenorm.", "postnorm.")) or ".prenorm" in k or ".postnorm" in k
                    for k in state_dict):
             return dict(state_dict)
@@ -368,6 +431,13 @@ DIT_SIZES = {
 }
 DIT_CONFIGS = {f"DiT-{size}/{patch}": {**dims, "patch_size": patch} for size, dims in DIT_SIZES.items()
                for patch in (2, 4, 8)}
+# LightningDiT (hustvl/LightningDiT, models/lightningdit.py): its sizes, and the backbone and latents its published
+# models have (RMSNorm, SwiGLU, 2-D RoPE, no learned sigma, the VA-VAE's 16x16x32 latents of 256px images).
+LIGHTNINGDIT_SIZES = {**DIT_SIZES, "1p0B": dict(depth=24, hidden_size=1536, num_heads=24),
+                      "1p6B": dict(depth=28, hidden_size=1792, num_heads=28)}
+LIGHTNINGDIT_BACKBONE = dict(norm="rmsnorm", mlp="swiglu", rope=True, learn_sigma=False, in_channels=32, input_size=16)
+DIT_CONFIGS.update({f"LightningDiT-{size}/{patch}": {**dims, "patch_size": patch, **LIGHTNINGDIT_BACKBONE}
+                    for size, dims in LIGHTNINGDIT_SIZES.items() if size != "S" for patch in (1, 2)})
 
 
 def _factory(name: str) -> Callable[..., DiT]:

@@ -186,7 +186,9 @@ def parse_args(argv=None):
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
     m.add_argument("--model", default=None, help="a DiT of diffusion.models.DiT_models: DiT-{S,B,L,XL}/{2,4,8}, e.g. "
                                                  "DiT-XL/2; SiT-XL/2 etc.: that DiT trained with SiT's transport "
-                                                 "(linear path, velocity), as SiT's checkpoints")
+                                                 "(linear path, velocity), as SiT's checkpoints; "
+                                                 "LightningDiT-{B,L,XL,1p0B,1p6B}/{1,2}: LightningDiT's own "
+                                                 "checkpoints (its backbone, the same transport)")
     m.add_argument("--path", choices=PATHS, default=None, help="a transport model's path (plain SiT checkpoints)")
     m.add_argument("--prediction", choices=PREDICTIONS, default=None, help="a transport model's prediction")
     m.add_argument("--topology", default=None, help=f"one of {', '.join(topology_names('dit'))} (pre: the "
@@ -228,8 +230,8 @@ def check_args(args) -> None:
         num_classes = recorded_num_classes(args)
         if num_classes is not None:
             check_labels(labels, num_classes)  # before any weights load
-    args.sit = bool(args.model) and args.model.startswith("SiT-")
-    if args.sit:  # SiT-XL/2 etc.: the DiT of that size, trained with SiT's transport
+    args.sit = bool(args.model) and args.model.startswith(("SiT-", "LightningDiT-"))  # trained with SiT's transport
+    if args.model and args.model.startswith("SiT-"):  # SiT-XL/2 etc.: the DiT of that size
         args.model = "DiT-" + args.model[len("SiT-"):]
     if args.model is not None or args.topology is not None:
         from diffusion.models import DIT_TOPOLOGIES, DiT_models
@@ -248,8 +250,8 @@ def flow_options(args) -> dict:
 
 
 def transport_override(args) -> Optional[dict]:
-    """The objective a plain state dict does not record: SiT's for ``--model SiT-*`` (the DiT of that size), or
-    ``--path``/``--prediction``."""
+    """The objective a plain state dict does not record: SiT's for ``--model SiT-*`` (the DiT of that size) and
+    ``--model LightningDiT-*``, or ``--path``/``--prediction``."""
     if not (args.sit or args.path or args.prediction):
         return None
     return Transport(args.path or "linear", args.prediction or "velocity").description()

@@ -15,9 +15,10 @@ from common.topologies import check_topology, option_names, resolve_topology
 from diffusion.models import DIT_CONFIGS, DiT, DiT_models
 
 
-def published_default(argument: str):
-    """The published DiT's value of a ``DiT(...)`` argument: its constructor's default."""
-    return inspect.signature(DiT).parameters[argument].default
+def published_default(argument: str, name: str = "DiT-XL/2"):
+    """The published value of a ``DiT(...)`` argument for model ``name``: its config's (LightningDiT's latents and
+    backbone), else the constructor's default (the published DiT's)."""
+    return DIT_CONFIGS.get(name, {}).get(argument, inspect.signature(DiT).parameters[argument].default)
 
 
 SPEC_OWN = ("input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "topology")
@@ -82,7 +83,7 @@ class DiTSpec:
         from diffusion.gaussian_diffusion import DIT_SCHEDULE
         from diffusion.latents import DEFAULT_VAE
 
-        defaults = {k: published_default(k) for k in SPEC_OWN}
+        defaults = {k: published_default(k, name) for k in SPEC_OWN}
         schedule = {"num_timesteps": DIT_SCHEDULE["num_train_timesteps"], "beta_start": DIT_SCHEDULE["beta_start"],
                     "beta_end": DIT_SCHEDULE["beta_end"]}
         return cls(name=name, **{**defaults, "autoencoder": DEFAULT_VAE, **schedule, **values})

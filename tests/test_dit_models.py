@@ -69,7 +69,9 @@ def test_param_counts_and_exact_topology_overheads(name, expected, tol):
 
 
 def test_registry_covers_the_family():
-    assert sorted(DiT_models) == sorted(f"DiT-{s}/{p}" for s in ("S", "B", "L", "XL") for p in (2, 4, 8))
+    assert sorted(DiT_models) == sorted([f"DiT-{s}/{p}" for s in ("S", "B", "L", "XL") for p in (2, 4, 8)]
+                                        + [f"LightningDiT-{s}/{p}" for s in ("B", "L", "XL", "1p0B", "1p6B")
+                                           for p in (1, 2)])
     xl = meta_model("DiT-XL/2")
     assert (len(xl.blocks), xl.pos_embed.shape[-1], xl.blocks[0].attn.num_heads) == (28, 1152, 16)
     assert abs(n_params(xl) - 675.13e6) < 0.1e6  # the DiT paper's 675M

@@ -107,9 +107,12 @@ def test_help_texts_name_what_the_libraries_offer(commands):
 
     sample_help = commands["diffusion.sample help"]["out"]
     assert all(t in sample_help for t in DIT_TOPOLOGIES)
-    sizes = {name.split("-")[1] for name in DiT_models}
+    sizes = {name.split("-")[1] for name in DiT_models if name.startswith("DiT-")}
     assert "DiT-{S,B,L,XL}/{2,4,8}" in sample_help and sizes == {"S/2", "S/4", "S/8", "B/2", "B/4", "B/8", "L/2", "L/4",
                                                                   "L/8", "XL/2", "XL/4", "XL/8"}
+    lightning = {name.split("-")[1] for name in DiT_models if name.startswith("LightningDiT-")}
+    assert "LightningDiT-{B,L,XL,1p0B,1p6B}/{1,2}" in " ".join(sample_help.split())
+    assert lightning == {f"{s}/{p}" for s in ("B", "L", "XL", "1p0B", "1p6B") for p in (1, 2)}
     fid_help = " ".join(commands["diffusion.fid help"]["out"].split())
     assert f"from {','.join(METRICS)}" in fid_help
     assert f"ADM's {ADM_IS_SPLIT_SIZE}" in fid_help and f"ADM's {ADM_REFERENCE_IMAGES}" in fid_help

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from common.cli import InputError
 from common.topologies.base import NormLayer, ResidualBlock, StreamFusion, default_norm
 from common.topologies.fused_norm_chain import siamese_norm_chain
 
@@ -87,6 +88,12 @@ class RecomputedSiameseNormBlock(SiameseNormBlock):
     ``recompute_norms=False``, the weights load unchanged)."""
 
     recompute_norms = True
+
+    def __init__(self, dim: int, layer_index: int = 0, **kwargs):
+        super().__init__(dim, layer_index, **kwargs)
+        if not all(isinstance(m, (nn.LayerNorm, nn.Identity)) for m in (self.post_norm1, self.pre_norm1, self.input_norm1)):
+            raise InputError(f"recompute_norms fuses LayerNorms, and this model's norms are "
+                             f"{type(self.post_norm1).__name__}s: set recompute_norms=false")
 
     def norm_chain1(self, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
         return siamese_norm_chain(x, y, self.post_norm1, self.pre_norm1, self.input_norm1, recompute=True)
