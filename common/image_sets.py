@@ -10,11 +10,12 @@ shards were converted from (``python -m vision.shard``), so :class:`common.data.
 the folder's guarantees unchanged: one seeded global order on any number of processes, per-rank and per-worker
 sharding, resume at the exact next image.
 
-* **wds**: a folder of ``shard-NNNNNN.tar`` (WebDataset members ``<key>.jpg`` + ``<key>.cls``), the
-  ``shard-NNNNNN.index.json`` beside each (every sample's image member, byte offset and size in the tar, and label:
-  the offsets the tar format gives, read by :mod:`tarfile`) and ``manifest.json`` (class names, per-shard count, size
-  and sha256). An image is one ``pread`` at its offset: no tar is walked at start-up or per item, and no
-  ImageNet-sized folder of small files is listed.
+* **wds**: a folder of ``shard-NNNNNN.tar`` (WebDataset members ``<key>.jpg`` + ``<key>.cls``; tars written
+  elsewhere once ``python -m vision.shard --index`` indexed them), the ``shard-NNNNNN.index.json`` beside each
+  (every sample's image member, byte offset and size in the tar, and label: the offsets the tar format gives, read by
+  :mod:`tarfile`) and ``manifest.json`` (class names, per-shard count, size and sha256). An image is one
+  ``pread`` at its offset: no tar is walked at start-up or per item, and no ImageNet-sized folder of small files is
+  listed.
 * **hf**: a ``datasets`` folder (``save_to_disk``; read by ``load_from_disk``, memory-mapped), or a Hub dataset name
   where the machine reaches the Hub; its ``Image`` column is read undecoded and its ``ClassLabel`` column gives the
   labels and class names.
@@ -69,9 +70,14 @@ def file_sha256(path: Union[str, os.PathLike]) -> str:
     return digest.hexdigest()
 
 
+def is_path(encoded) -> bool:
+    """Whether what :meth:`ImageSet.read` gave is a file's path (else it is the encoded bytes, as any buffer)."""
+    return isinstance(encoded, (str, os.PathLike))
+
+
 def open_encoded(encoded):
     """A binary file object over what :meth:`ImageSet.read` gives: a path, or the encoded bytes."""
-    return io.BytesIO(encoded) if isinstance(encoded, (bytes, bytearray, memoryview)) else open(encoded, "rb")
+    return open(encoded, "rb") if is_path(encoded) else io.BytesIO(encoded)
 
 
 # ----------------------------------------------------------------------------- the sets
@@ -216,23 +222,24 @@ class HfImages(ImageSet):
     def __getstate__(self):  # a pickled copy (a spawned worker) maps the files itself, never copies the table
         return {**self.__dict__, "_rows": None}
 
-    def _stored(self, i: int) -> dict:
-        """``{"bytes", "path"}`` of row ``i``: from the Arrow column, a tenth of ``datasets``' row formatting, where
-        its rows are the dataset's (no indices mapping reorders them)."""
+    def _stored(self, i: int, field: str):
+        """Row ``i``'s ``bytes`` (a buffer over the memory-mapped file, no copy) or ``path``: from the Arrow column,
+        a tenth of ``datasets``' row formatting, where its rows are the dataset's (no indices mapping reorders them)."""
         if self._rows is None:
             direct = getattr(self.images, "_indices", None) is None
             self._rows = self.images.data.column(self.column) if direct else False
         if self._rows is False:
-            return self.images[int(i)][self.column]
-        return self._rows[int(i)].as_py()
+            return self.images[int(i)][self.column][field]
+        value = self._rows[int(i)][field]
+        return value.as_buffer() if field == "bytes" and value.is_valid else value.as_py()
 
     def read(self, i: int):
-        stored = self._stored(i)
-        return stored["bytes"] if stored["bytes"] is not None else stored["path"]
+        data = self._stored(i, "bytes")
+        return data if data is not None else self._stored(i, "path")
 
     def name(self, i: int) -> str:
-        stored = self._stored(i)
-        return f"{self.where}#{i}" + (f" ({stored['path']})" if stored.get("path") else "")
+        path = self._stored(i, "path")
+        return f"{self.where}#{i}" + (f" ({path})" if path else "")
 
 
 def open_image_set(fmt: str, path: Union[str, os.PathLike], split: Optional[str] = None) -> ImageSet:

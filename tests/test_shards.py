@@ -63,7 +63,7 @@ def test_every_format_reads_the_folders_images_labels_and_order(data):
 
 def encoded(images, i) -> bytes:
     data = images.read(i)
-    return Path(data).read_bytes() if isinstance(data, str) else bytes(data)
+    return Path(data).read_bytes() if isinstance(data, str) else bytes(data)  # a tar's bytes, an Arrow buffer
 
 
 def config(run, data, fmt, *extra):
@@ -177,6 +177,38 @@ def test_verify_passes_a_conversion_and_names_a_changed_truncated_or_unlabelled_
     assert members[2].name.endswith(".cls")
     line = refusal(shard.main, ["--verify", out], capsys)
     assert f"{tar}: member {members[3].name} has no label" in line
+
+
+def test_tars_written_elsewhere_are_indexed_in_place_and_read_in_their_order(data, tmp_path, capsys):
+    """timm-like tars (WebDataset keys of its own, labels in .cls or .json members) become readable by --index:
+    the same bytes and labels as the folder they hold, in the tars' order; a sample without a label is refused."""
+    import webdataset
+
+    folder = open_image_set("imagefolder", data["imagefolder"], "train")
+    out = tmp_path / "timm-wds"
+    out.mkdir()
+    for k, start in enumerate(range(0, len(folder), 6)):
+        with webdataset.TarWriter(str(out / f"imagenet-train-{k:04d}.tar")) as writer:
+            for i in range(start, min(start + 6, len(folder))):
+                label = {"json": {"label": int(folder.labels[i])}} if i == 1 else {"cls": int(folder.labels[i])}
+                writer.write({"__key__": f"{i:08d}", "jpg": Path(folder.read(i)).read_bytes(), **label})
+    (tmp_path / "wnids.txt").write_text("\n".join(folder.classes) + "\n")
+    with pytest.raises(SystemExit):
+        shard.main(["--index", str(out)])
+    assert "error: --index needs --classes FILE" in capsys.readouterr().err
+    manifest = shard.main(["--index", str(out), "--classes", str(tmp_path / "wnids.txt")])
+    assert manifest["count"] == len(folder) and len(manifest["shards"]) == 3
+    tars = open_image_set("wds", out)
+    assert tars.labels.tolist() == folder.labels.tolist() and tars.classes == folder.classes
+    assert [encoded(tars, i) for i in range(len(tars))] == \
+        [Path(folder.read(i)).read_bytes() for i in range(len(folder))]
+    assert shard.main(["--verify", str(out)])["count"] == len(folder)
+
+    with webdataset.TarWriter(str(out / "imagenet-train-0003.tar")) as writer:
+        writer.write({"__key__": "unlabelled", "jpg": Path(folder.read(0)).read_bytes()})
+    line = refusal(shard.main, ["--index", out, "--classes", tmp_path / "wnids.txt"], capsys)
+    tar = out / "imagenet-train-0003.tar"
+    assert f"{tar}: member unlabelled.jpg has no label (unlabelled.cls or unlabelled.json)" in line
 
 
 def test_bad_shards_end_in_one_line_naming_the_shard_and_member(data, tmp_path, capsys):

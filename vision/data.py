@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.cli import InputError
 from common.data import FashionMNIST, ImageFolderError, add_note, ignore_in_workers, resolve_num_workers
-from common.image_sets import FolderImages, ImageSet, open_encoded, open_image_set
+from common.image_sets import FolderImages, ImageSet, is_path, open_encoded, open_image_set
+from common.preemption import STOP_SIGNALS
 from vision.config import DataConfig
 
 
@@ -205,7 +206,8 @@ def load_rgb(path) -> Image.Image:
 
 
 def load_rgb_tensor(path) -> torch.Tensor:
-    """An image file (a path, or its bytes read from a shard) as uint8 RGB ``(3, H, W)`` (channels-last memory), for the ``use_prefetcher`` transform.
+    """An image file (a path, or its bytes read from a shard) as uint8 RGB ``(3, H, W)`` (channels-last memory), for
+    the ``use_prefetcher`` transform.
 
     Decoded by torchvision.io (libjpeg-turbo, libpng, libwebp straight into the tensor, without Pillow's
     RGBX -> RGB repacking; ``python -m benchmarks.data_feed --breakdown`` times both); the pixels equal Pillow's ``convert("RGB")`` for JPEG
@@ -220,8 +222,8 @@ def load_rgb_tensor(path) -> torch.Tensor:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # decoding only reads
-                data = (torch.frombuffer(path, dtype=torch.uint8) if isinstance(path, (bytes, bytearray))
-                        else torchvision.io.read_file(str(path)))
+                data = (torchvision.io.read_file(str(path)) if is_path(path)
+                        else torch.frombuffer(path, dtype=torch.uint8))
                 image = decode(data, mode=torchvision.io.ImageReadMode.RGB)
             if image.dtype == torch.uint8 and image.ndim == 3:
                 return image
@@ -240,14 +242,15 @@ def rgb_view(image: Image.Image) -> torch.Tensor:
 # ----------------------------------------------------------------------------- loaders
 
 def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: Union[int, str], rank: int = 0,
-                      world: int = 1, persistent_workers: bool = False) -> DataLoader:
+                      world: int = 1, persistent_workers: bool = False, ignore_signals=STOP_SIGNALS) -> DataLoader:
     """Sequential evaluation loader over process ``rank``'s shard (images ``rank, rank + world, ...``): every image
     is evaluated once, with no padding (accelerate's even batches would fill a small set up to a batch per process).
     Workers decode ahead of the forward (two batches each), into pinned memory on CUDA; ``persistent_workers`` keeps
-    them between passes (a training run's evaluations) instead of starting them again for each."""
+    them between passes (a training run's evaluations) instead of starting them again for each. They ignore
+    ``ignore_signals`` (a training's stop signals: its main process acts on them)."""
     if world > 1:
         dataset = torch.utils.data.Subset(dataset, range(rank, len(dataset), world))
     workers = resolve_num_workers(num_workers)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                      worker_init_fn=ignore_in_workers(), persistent_workers=persistent_workers and workers > 0,
-                      pin_memory=torch.cuda.is_available())
+                      worker_init_fn=ignore_in_workers(ignore_signals),
+                      persistent_workers=persistent_workers and workers > 0, pin_memory=torch.cuda.is_available())

@@ -3,6 +3,7 @@
     python -m vision.shard --data-path /data/imagenet/train --out /data/imagenet-wds/train    # 1,000 images a tar
     python -m vision.shard --data-path /data/imagenet/train --out /data/imagenet-hf/train --format hf
     python -m vision.shard --verify /data/imagenet-wds/train
+    python -m vision.shard --index /data/other-wds/train --classes wnids.txt     # tars written elsewhere
 
 Images are copied byte for byte (never decoded or re-encoded) in the folder's order (torchvision's: sorted classes,
 sorted files), so image ``i`` of the shards is image ``i`` of the folder: the same pixels, label and place in the
@@ -14,6 +15,10 @@ do in the folder.
 * **hf**: a ``datasets`` folder (``save_to_disk``: ``image`` and ``label`` columns, ``ClassLabel`` names = the class
   folders), built from parts of ``--shard-size`` images in ``<out>.parts/`` and saved once they are all written
   (the disk holds the set twice until then), with ``manifest.json`` inside.
+
+Tars written elsewhere (timm's ``wds``, other groups' ImageNet tars: ``<key>.jpg`` with ``<key>.cls`` or
+``<key>.json`` holding ``{"label": N}``) are made readable in place by ``--index DIR --classes FILE``: the same index
+beside each tar and manifest, the class names from the file (in label order), samples in the tars' own order.
 
 Resumable: a shard is written to a temporary name and renamed when complete, so the same command after an interruption
 writes only what is missing and never touches a finished shard; shards written from another folder or with other
@@ -46,9 +51,16 @@ def parse_args(argv=None):
     p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="images per tar (hf: per part)")
     p.add_argument("--verify", metavar="DIR", help="check a conversion against its manifest (count, size and sha256 of "
                    "every shard) instead of converting")
+    p.add_argument("--index", metavar="DIR", help="make WebDataset tars written elsewhere readable (<key>.jpg with "
+                   "<key>.cls or <key>.json {\"label\": N}): an index beside each tar and a manifest; needs --classes")
+    p.add_argument("--classes", metavar="FILE", help="--index: the class names, one a line, in label order (ImageNet: "
+                   "the sorted wnids)")
     args = p.parse_args(argv)
-    if args.verify is None and not (args.data_path and args.out):
-        p.error("give --data-path and --out to convert, or --verify DIR to check a conversion")
+    if args.verify is None and args.index is None and not (args.data_path and args.out):
+        p.error("give --data-path and --out to convert, --verify DIR to check a conversion, or --index DIR --classes "
+                "FILE to index tars written elsewhere")
+    if args.index is not None and not args.classes:
+        p.error("--index needs --classes FILE: the class names in label order, which the readers check")
     if args.shard_size < 1:
         p.error("--shard-size must be positive")
     return args
@@ -265,6 +277,46 @@ def hf_shards(folder: Path) -> list:
              "bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)} for name in files]
 
 
+# ----------------------------------------------------------------------------- --index
+
+def index_tars(folder: Path, classes_file: Path) -> dict:
+    """Index every ``*.tar`` of ``folder`` (sorted by name; samples in their order in the tar) and write the manifest,
+    so that tars written elsewhere read as the converter's do. Resumable: an indexed tar is not read again."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from common.cli import InputNotFoundError
+    from common.durable import atomic_write_text
+    from common.image_sets import (MANIFEST_FILE, SHARDS_FORMAT, ShardError, check_labels, file_sha256, index_name,
+                                   scan_tar)
+
+    if not classes_file.is_file():
+        raise InputNotFoundError(f"--classes {classes_file}: no such file; give the class names, one a line, in label "
+                                 "order")
+    classes = [line.strip() for line in classes_file.read_text().splitlines() if line.strip()]
+    tars = sorted(folder.glob("*.tar"))
+    if not tars:
+        raise ShardError(f"--index {folder} holds no .tar files")
+    settings = {"format": SHARDS_FORMAT, "kind": "wds", "classes": classes}
+    shards = []
+    for tar in tqdm(tars, unit="tar", dynamic_ncols=True):
+        path = folder / index_name(tar.name)
+        index = json.loads(path.read_text()) if path.is_file() else None
+        if index is not None:
+            refuse_other_settings(path, index.get("settings", {}), settings)
+        if index is None or index["bytes"] != tar.stat().st_size:
+            index = scan_tar(tar)
+            check_labels(np.array(index["labels"], dtype=np.int64), len(classes),
+                         lambda j, index=index, tar=tar: f"{tar}:{index['members'][j]}")
+            index.update(file=tar.name, sha256=file_sha256(tar), settings=settings)
+            atomic_write_text(path, json.dumps(index))
+        shards.append({key: index[key] for key in ("file", "count", "bytes", "sha256")})
+    manifest = {**settings, "count": sum(s["count"] for s in shards), "source": "indexed", "shards": shards}
+    atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    print(f"indexed {manifest['count']} images in {len(shards)} tars of {folder}: data.format=wds reads them")
+    return manifest
+
+
 # ----------------------------------------------------------------------------- --verify
 
 def verify(folder: Path) -> dict:
@@ -315,6 +367,8 @@ def main(argv=None) -> dict:
     with one_line_errors():
         if args.verify is not None:
             return verify(Path(args.verify))
+        if args.index is not None:
+            return index_tars(Path(args.index), Path(args.classes))
         images = source_images(args.data_path)
         convert = convert_wds if args.format == "wds" else convert_hf
         return convert(images, Path(args.out), args.shard_size)
