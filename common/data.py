@@ -143,7 +143,7 @@ def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
 def find_fashion_mnist(split: str, root: Optional[Union[str, os.PathLike]] = None) -> Tuple[Path, Path]:
     """Paths of the (images, labels) IDX files of a split, Debian location first, then ``root``."""
     if split not in _SPLIT_PREFIX:
-        raise ValueError(f"Fashion-MNIST split {split!r}; choose 'train' or 'test'")
+        raise InputError(f"Fashion-MNIST has no split {split!r}: choose train or test")
     prefix = _SPLIT_PREFIX[split]
     # A given root is where the files must be (never silently replaced by the system copy); else Debian's location.
     candidates = [DEBIAN_FASHION_MNIST] if root is None else [Path(root) / "FashionMNIST" / "raw", Path(root)]

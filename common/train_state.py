@@ -43,6 +43,12 @@ from common.durable import atomic_write
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
 
 
+def step_stem(step: int) -> str:
+    """``step_000000010``: the name of a step's files (its checkpoint ``.pt``, a DiT run's sample grid ``.png``), one
+    width for all so that they sort by step and line up."""
+    return f"step_{step:09d}"
+
+
 # ----------------------------------------------------------------------------- RNG state
 
 def capture_rng_state() -> dict:
@@ -95,6 +101,15 @@ def atomic_torch_save(obj, path: Union[str, os.PathLike]) -> Path:
     return path
 
 
+def checkpoint_size(model: torch.nn.Module, ema: bool) -> Tuple[int, int]:
+    """``(bytes of one training checkpoint, bytes of one weights file)`` of ``model``, known before any is written:
+    its weights and buffers, the EMA's copy, and the optimizer's two moments (AdamW's, LAMB's) of every trained
+    weight."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return weights * (2 if ema else 1) + moments, weights
+
+
 def load_training_checkpoint(path: Union[str, os.PathLike]) -> dict:
     """Read a training checkpoint without executing code (``weights_only=True``)."""
     from common.checkpoint import read_file  # a damaged file becomes a CheckpointError naming it
@@ -121,7 +136,7 @@ class CheckpointManager:
         self.keep_every = keep_every
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"step_{step:09d}.pt"
+        return self.directory / f"{step_stem(step)}.pt"
 
     def steps(self) -> List[int]:
         """Steps of the complete-named checkpoint files, oldest first."""

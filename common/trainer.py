@@ -46,7 +46,8 @@ from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
 from common.preemption import (EXIT_PAUSED, EXIT_PREEMPTED, STOP_SIGNALS, StopRequests, ignore_stop_signals_at_exit,
                                signal_number)
 from common.train_state import (CheckpointManager, RunDirectoryError, RunLock, RunLockedError, capture_rng_state,
-                                check_run_directory, preserved_rng, resolve_resume, restore_process_rng)
+                                check_run_directory, checkpoint_size, preserved_rng, resolve_resume,
+                                restore_process_rng)
 
 FINAL_METRICS_FILE = "final_metrics.json"
 KEEP_LAST_WHY = ("when a run diverges, the newest checkpoint may hold the diverged weights, and the one before it is "
@@ -369,6 +370,7 @@ class Trainer:
         from common.ema import ModelEma  # timm's: imported when a run starts, not to read its command line
 
         self.ema = ModelEma(model, run.ema_decay) if run.ema_decay is not None else None
+        self.checkpoint_bytes = checkpoint_size(model, ema=self.ema is not None)
         self.model = accelerator.prepare(model)
         self.train_model = torch.compile(self.model) if resolve_compile(run.compile, accelerator.device) else self.model
         self.guard = NonFiniteGuard(run.max_nonfinite, accelerator.device)
@@ -430,6 +432,17 @@ class Trainer:
         return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()}}
 
     # -------------------------------------------------------------------------------------------- run
+    def disk_use(self) -> str:
+        """The run directory's size per checkpoint, said at the start: a DiT-XL/2 run needs 16 GB after one step."""
+        checkpoint, weights = self.checkpoint_bytes
+        files = ["model.safetensors"] + ["ema.safetensors"] * (self.ema is not None)
+        every = f" and every train.keep_every={self.run.keep_every}-th" if self.run.keep_every else ""
+        size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"  # noqa: E731
+        return (f"{self.run_dir}: {size(checkpoint)} per checkpoint (the weights{', their EMA' * (self.ema is not None)}"
+                f" and the optimizer's moments), {size(weights)} each for {' and '.join(files)}: "
+                f"{size(checkpoint + len(files) * weights)} with one checkpoint; the newest "
+                f"train.keep_last={self.run.keep_last}{every} checkpoints are kept")
+
     def _fit(self) -> dict:
         accelerator, run = self.accelerator, self.run
         step, resumed = self._resume()
@@ -440,6 +453,7 @@ class Trainer:
             return json.loads(final_file.read_text())
         if accelerator.is_main_process:
             save_config(self.cfg, self.run_dir / "config.yaml")
+            print(self.disk_use())
         self.step = step
         summary = {"params": self.n_params, "examples": len(self.task.train_set), "steps_per_epoch": self.steps_per_epoch,
                    "total_steps": self.total_steps, "world_size": self.world, **self.task.run_summary()}

@@ -255,8 +255,9 @@ class LatentDataset(Dataset):
     def read_image(self, i: int, view: int) -> torch.Tensor:
         """The stored center-cropped image of ``i`` (``--images``), mirrored for view 1: uint8 (3, S, S)."""
         if not self.metadata.get("images"):
-            raise ValueError(f"the latents in {self.root} hold no images: extract them again with --images (REPA's "
-                             "encoder reads the pixels each latent came from)")
+            raise LatentsError(f"the latents in {self.root} hold no images, and REPA's encoder reads the pixels each "
+                               "latent came from: extract them again with --images (into a new --out), or set "
+                               "repa.weight=0 to train without REPA")
         h, row = self._locate(i)
         image = h.get_slice("image")[row : row + 1][0]
         return image.flip(-1) if view else image

@@ -23,6 +23,7 @@ import torch
 from common import trainer
 from common.config import ConfigError, Range, config_to_dict
 from common.data import resolve_num_workers
+from common.train_state import step_stem
 from diffusion.data import DataConfig, DiffusionExamples, build_images
 from diffusion.transport import Transport, transport_from_config
 
@@ -66,24 +67,22 @@ class TransportConfig:
     """SiT's stochastic interpolants (flow matching) in place of DDPM (:mod:`diffusion.transport`); off by default."""
 
     enabled: bool = False  # true: train and sample the transport below; false: DDPM with the diffusion: section
-    path: Optional[Literal["linear", "gvp", "vp"]] = None  # x_t = alpha_t data + sigma_t noise; required when enabled
-    prediction: Optional[Literal["velocity", "noise", "score"]] = None  # the network's target; required when enabled
+    path: Optional[Literal["linear", "gvp", "vp"]] = None  # x_t = alpha_t data + sigma_t noise; null: SiT's linear
+    prediction: Optional[Literal["velocity", "noise", "score"]] = None  # the network's target; null: SiT's velocity
     loss_weight: Literal["none", "velocity", "likelihood"] = "none"  # of a noise or score loss (SiT's weights)
     train_eps: Optional[Annotated[float, Range(ge=0, lt=0.5)]] = None  # gap kept from the path's singular ends; null: SiT's for path and prediction
     sample_eps: Optional[Annotated[float, Range(ge=0, lt=0.5)]] = None  # the same when sampling; null: SiT's
-    time_distribution: Optional[Literal["uniform", "logit_normal"]] = None  # training t: SiT's uniform, LightningDiT's
+    time_distribution: Optional[Literal["uniform", "logit_normal"]] = None  # training t; null: SiT's uniform, or LightningDiT's logit_normal
     logit_normal_mean: Optional[Annotated[float, Range()]] = None  # t = sigmoid(mean + std * N(0, 1)); required for logit_normal
     logit_normal_std: Optional[Annotated[float, Range(gt=0)]] = None
 
     def __post_init__(self):
         if not self.enabled:
             return
-        missing = [k for k in ("path", "prediction", "time_distribution") if getattr(self, k) is None]
-        if self.time_distribution == "logit_normal":
-            missing += [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
-        if missing:
-            raise ConfigError(f"transport.enabled=true needs transport.{', transport.'.join(missing)} (configs/"
-                             "sit.yaml sets SiT's)")
+        missing = [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
+        if self.time_distribution == "logit_normal" and missing:
+            raise ConfigError(f"transport.time_distribution=logit_normal needs transport.{', transport.'.join(missing)} "
+                              "(LightningDiT's: 0 and 1)")
         transport_from_config(config_to_dict(self))  # a value the transport refuses fails here, before training
 
 
@@ -204,7 +203,8 @@ def model_spec(cfg: TrainConfig, images) -> DiTSpec:
 # --------------------------------------------------------------------------------------- sampling
 def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
     """The VAE (or pixel) decoder that the grid and FID samplers share: loaded once, checked against the VAE of the
-    latents, and drawing non-finite samples black (a grid or FID never stops a run)."""
+    latents, and drawing non-finite samples black (a grid or FID never stops a run). A run without grids and FID
+    loads it too, on the CPU, only to check it: the weights record ``data.autoencoder`` as the VAE that decodes them."""
     from diffusion.latents import VAENotFoundError
     from diffusion.sampler import Decoder
 
@@ -212,8 +212,11 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
         return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
                        made_with=f"the latents in {cfg.data.path} were encoded with")
     except VAENotFoundError as err:
-        raise VAENotFoundError(f"{err} Or set train.sample_every=0 and train.fid_every=0 to train without "
-                               "sample grids and in-training FID.") from err
+        if cfg.train.sample_every or cfg.train.fid_every:
+            fix = "Or set train.sample_every=0 and train.fid_every=0 to train without sample grids and in-training FID."
+        else:
+            fix = "Or set data.autoencoder=none to train without it (then sample with --vae)."
+        raise VAENotFoundError(f"{err} {fix}") from err
 
 
 def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
@@ -354,8 +357,12 @@ class DiTTask(trainer.Task):
         self._samplers_built = False
         # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
         run, main = cfg.train, accelerator.is_main_process
-        self.decoder = (build_decoder(cfg, accelerator.device, latent_vae(images))
-                        if run.fid_every or (run.sample_every and main) else None)
+        if run.fid_every or (run.sample_every and main):
+            self.decoder = build_decoder(cfg, accelerator.device, latent_vae(images))
+        else:
+            self.decoder = None
+            if cfg.data.autoencoder != "none":
+                build_decoder(cfg, "cpu", latent_vae(images))  # checked against the latents' VAE, then dropped
         self.fid = (InTrainingFid(run, accelerator.device, resolve_num_workers(cfg.data.num_workers))
                     if run.fid_every else None)
         if self.fid is not None:
@@ -435,7 +442,7 @@ class DiTTask(trainer.Task):
         if grid and self.accelerator.is_main_process:
             from PIL import Image
 
-            path = ctx.run_dir / "samples" / f"step_{step:07d}.png"
+            path = ctx.run_dir / "samples" / f"{step_stem(step)}.png"
             save_grid(self.grid_sampler, self.cfg, path, self.grid_names)
             with Image.open(path) as image:
                 ctx.log_images({"samples": np.asarray(image.convert("RGB"))})

@@ -150,10 +150,12 @@ def test_grids_of_classes_imagenet_1k_does_not_know_use_the_folder_names(latents
     final = train(dit_cfg(f"data.path={root / 'lat'}", f"data.autoencoder={root / 'vae'}", "data.num_classes=2",
                           "train.sample_every=1", f"train.output_dir={tmp_path / 'run'}"))
     assert final["steps"] == 2
-    assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == ["step_0000001.png", "step_0000002.png"]
+    assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == ["step_000000001.png", "step_000000002.png"]
 
 
-def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path):
+@pytest.mark.parametrize("grids", ["train.sample_every=1", "train.sample_every=0"])
+def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path, grids):
+    """Refused before any work, with or without grids: the weights record data.autoencoder as their VAE."""
     from diffusion.sampler import VAEMismatchError
 
     root, meta = latents
@@ -165,8 +167,8 @@ def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path):
     for vae, differs in ((other_scale, "scaling factor 0.13025"), (other_weights, "weights sha256")):
         with pytest.raises(VAEMismatchError, match=rf"data.autoencoder={vae} is not the VAE the latents in .* were "
                                                    rf"encoded with .*this one: .*{differs}"):
-            train(dit_cfg(f"data.path={root / 'lat'}", f"data.autoencoder={vae}", "data.num_classes=2",
-                          "train.sample_every=1", f"train.output_dir={tmp_path / 'run'}"))
+            train(dit_cfg(f"data.path={root / 'lat'}", f"data.autoencoder={vae}", "data.num_classes=2", grids,
+                          "train.fid_every=0", f"train.output_dir={tmp_path / 'run'}"))
         assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -249,6 +251,20 @@ def test_latents_of_the_first_format_are_refused_saying_why(latents, tmp_path, c
     assert "do not record the VAE scaling factor they were made with" in err and "extract the latents again" in err
 
 
+def test_repa_on_latents_extracted_without_images_is_one_line(latents, tmp_path, capsys):
+    from diffusion.train import main
+
+    root, _ = latents
+    repa = ["repa.weight=0.5", "repa.depth=1", "repa.encoder=vit_tiny_patch16_224",
+            f"repa.encoder_weights={tmp_path / 'encoder.safetensors'}", "repa.encoder_image_size=64",
+            "repa.projector_dim=16"]
+    err = refusal(main, ["--config", ROOT / "configs/dit_b2_siamese.yaml", *TINY_DIT, f"data.path={root / 'lat'}",
+                         "data.autoencoder=none", "data.num_classes=2", "train.sample_every=0", *repa,
+                         f"train.output_dir={tmp_path / 'run'}"], capsys)
+    assert f"the latents in {root / 'lat'} hold no images" in err and "extract them again with --images" in err
+    assert "repa.weight=0" in err and not (tmp_path / "run").exists()
+
+
 def test_extraction_resume_refuses_a_vae_replaced_in_place(tmp_path):
     from diffusion.extract_latents import main as extract_main
 
@@ -261,6 +277,53 @@ def test_extraction_resume_refuses_a_vae_replaced_in_place(tmp_path):
         extract_main(["--data-path", str(images), "--vae", str(vae), "--out", str(tmp_path / "lat"), "--image-size",
                       "32", "--shard-size", "4", "--batch-size", "4", "--num-workers", "0"])
     assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+@pytest.fixture(scope="module")
+def tiny_dits(tmp_path_factory):
+    """``{"ddpm", "flow"}``: a 1-channel pixel DiT as Fashion-MNIST's, and the same weights as a flow-matching model."""
+    from diffusion.transport import Transport
+    from tests.test_sample import save_tiny, save_with
+
+    root = tmp_path_factory.mktemp("tiny_dits")
+    ddpm = save_tiny(root / "ddpm.safetensors")
+    return {"ddpm": ddpm, "flow": save_with(ddpm, root / "flow.safetensors",
+                                            transport=json.dumps(Transport().description()))}
+
+
+@pytest.mark.parametrize("model, options, says", [
+    ("ddpm", ["--cfg-scale", "-1.5"], "--cfg-scale -1.5 would reverse the guidance: give a scale >= 0 (1: no guidance"),
+    ("ddpm", ["--cfg-scale", "1.5", "--guided-channels", "3"],
+     "--guided-channels 3: this model has 1 output channel to guide; give 1 or 'all', or leave it out"),
+    ("ddpm", ["--eta", "0.5"], "--eta 0.5 is the noise of --sampler ddim, and this command samples with ddpm: add "
+                               "--sampler ddim, or drop --eta"),
+    ("flow", ["--eta", "0.5"], "this command samples with sde-euler: drop --eta (this model was trained with SiT's "
+                               "transport, whose samplers have no eta)"),
+    ("flow", ["--sampler", "euler", "--atol", "1e-5"], "--atol: --sampler euler does not read it (--atol and --rtol set "
+                                                       "dopri5's adaptive steps"),
+    ("flow", ["--sampler", "heun", "--rtol", "1e-2", "--last-step", "euler"],
+     "--rtol, --last-step: --sampler heun does not read them"),
+], ids=["negative cfg", "guided channels", "eta ddpm", "eta flow", "atol euler", "rtol last-step heun"])
+def test_sampling_options_that_would_be_ignored_or_reverse_guidance_are_refused(tiny_dits, tmp_path, capsys, model,
+                                                                                options, says):
+    from diffusion.sample import main
+
+    err = refusal(main, ["--checkpoint", tiny_dits[model], "--grid", tmp_path / "g.png", "--steps", "3", *options],
+                  capsys)
+    assert says in err, err
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_a_misspelt_fashion_mnist_split_is_one_line(tmp_path, capsys):
+    from diffusion.fid import main
+
+    np.savez(tmp_path / "s.npz", np.zeros((4, 28, 28, 1), np.uint8))
+    for argv in (["--samples", tmp_path / "s.npz", "--reference", "fashion-mnist:tset"],
+                 ["--samples", "fashion-mnist:tset", "--reference", tmp_path / "s.npz"]):
+        err = refusal(main, [*argv, "--feature-extractor", "fmnist-cnn", "--quiet"], capsys)
+        assert err == "error: Fashion-MNIST has no split 'tset': choose train or test"
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -304,7 +367,7 @@ def test_grids_and_fids_of_nan_weights_do_not_stop_the_run_before_the_non_finite
         train(cfg)
     out = capsys.readouterr().out
     assert "samples are not finite (drawn black)" in out and "fid/fd is NaN" in out
-    assert (tmp_path / "run" / "samples" / "step_0000002.png").is_file()
+    assert (tmp_path / "run" / "samples" / "step_000000002.png").is_file()
     fids = [r["fid/fd"] for r in read_metrics(tmp_path / "run") if "fid/fd" in r]
     assert "nan" in fids
 

@@ -64,7 +64,7 @@ def test_short_run_loss_decreases_and_writes_outputs(tmp_path, topology):
     assert len(losses) == 6 and losses[-1] < 0.75 * losses[0], losses
     assert all(r["train/vb"] > 0 and r["train/mse"] < r["train/loss"] for r in records)  # learned sigma: MSE + VLB
     assert final["steps"] == 48 and final["nonfinite_steps"] == 0 and final["steps_per_s"] > 0
-    assert (tmp_path / "samples" / "step_0000048.png").is_file()
+    assert (tmp_path / "samples" / "step_000000048.png").is_file()
     with safe_open(str(tmp_path / "ema.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["topology"] == topology and meta["in_channels"] == "1" and meta["input_size"] == "32"
@@ -341,11 +341,33 @@ def test_flow_and_repa_on_two_processes_match_one_process(tmp_path):
 
 def test_flow_and_repa_config_errors(tmp_path, capsys):
     base = ["--config", str(ROOT / "configs/fmnist_sit_pre.yaml"), *TINY, *SMALL, f"train.output_dir={tmp_path}"]
-    for overrides, message in ((["transport.path=null"], "transport.enabled=true needs transport.path"),
-                               (["transport.time_distribution=logit_normal"], "transport.logit_normal_mean"),
+    for overrides, message in ((["transport.time_distribution=logit_normal"],
+                                "transport.time_distribution=logit_normal needs transport.logit_normal_mean"),
                                (["repa.weight=0.5"], "repa.weight > 0 needs repa.depth"),
                                (["transport.train_eps=0.01"], "stable at both ends")):
         with pytest.raises(SystemExit):
             main([*base, *overrides])
         assert message in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_transport_enabled_alone_trains_sits_objective_and_the_run_says_its_size_per_checkpoint(tmp_path, capsys):
+    """``transport.enabled=true`` takes SiT's linear path, velocity prediction and uniform times, as docs/dit.md
+    says. A line at the start of a run gives its folder's size per checkpoint, which the written checkpoint matches."""
+    from common.train_state import checkpoint_size
+    from diffusion.checkpoints import load_dit
+    from diffusion.transport import Transport
+
+    final = train(config(tmp_path, "transport.enabled=true", "data.max_samples=16", "optim.batch_size=8",
+                         "optim.steps=2", "train.ema_decay=0.5"))
+    assert final["steps"] == 2
+    with safe_open(str(tmp_path / "ema.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["transport"]) == Transport("linear", "velocity").description()
+    _, spec, _ = load_dit(tmp_path / "model.safetensors")
+    estimate, weights = checkpoint_size(spec.build(), ema=True)
+    said = next(line for line in capsys.readouterr().out.splitlines() if "per checkpoint" in line)
+    assert f": {estimate / 1e6:.1f} MB per checkpoint (the weights, their EMA and the optimizer's moments), " \
+           f"{weights / 1e6:.1f} MB each for model.safetensors and ema.safetensors" in said, said
+    assert "the newest train.keep_last=2 checkpoints are kept" in said
+    written = (tmp_path / "checkpoints" / "step_000000002.pt").stat().st_size
+    assert estimate < written < estimate + 200_000  # beside the tensors: random states, config, zip entries

@@ -64,11 +64,11 @@ def test_rerunning_a_finished_run_leaves_it_as_it_was(tmp_path, capsys):
 
 def test_a_run_killed_after_its_last_checkpoint_writes_its_final_outputs_on_rerun(tmp_path):
     final = dit_train.train(dit(tmp_path, "train.sample_every=4"))
-    for name in ("final_metrics.json", "model.safetensors", "samples/step_0000004.png"):
+    for name in ("final_metrics.json", "model.safetensors", "samples/step_000000004.png"):
         (tmp_path / name).unlink()  # as if killed right after the final checkpoint
     records = len(read_metrics(tmp_path))
     again = dit_train.train(dit(tmp_path, "train.sample_every=4"))
-    assert (tmp_path / "samples" / "step_0000004.png").is_file() and (tmp_path / "model.safetensors").is_file()
+    assert (tmp_path / "samples" / "step_000000004.png").is_file() and (tmp_path / "model.safetensors").is_file()
     assert again["steps"] == final["steps"] == 4
     assert not [r for r in read_metrics(tmp_path)[records:] if "train/loss" in r]  # no step trained again
 

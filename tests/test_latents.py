@@ -193,7 +193,7 @@ def test_dit_training_on_latents_draws_fresh_latents_and_decodes_grids(setup, tm
     ])
     final = train(cfg)
     assert final["steps"] == 2 and final["loss"] > 0
-    grid = Image.open(tmp_path / "run" / "samples" / "step_0000002.png")
+    grid = Image.open(tmp_path / "run" / "samples" / "step_000000002.png")
     # two decoded 32 px RGB images, upscaled x4, 4 px padding, each captioned with its class
     assert grid.size == (2 * (128 + 4) + 4, 128 + 4 + 18 + 4)
     with pytest.raises(ValueError, match="data.num_classes=10"):
@@ -291,8 +291,9 @@ def test_images_stored_beside_the_latents_reach_repas_encoder_with_the_latents_f
                  tmp_path / "encoder.safetensors")  # 4 x 4 patches: DiT-S/4's tokens on 16 x 16 latents
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(TrainConfig, os.path.join(root, "configs/repa_xl2_siamese.yaml"), [
-        f"data.path={tmp_path / 'lat'}", "data.image_size=32", "data.num_classes=2", "data.num_workers=0",
-        "model.name=DiT-S/4", "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "repa.depth=1",
+        f"data.path={tmp_path / 'lat'}", f"data.autoencoder={setup / 'vae'}", "data.image_size=32",
+        "data.num_classes=2", "data.num_workers=0", "model.name=DiT-S/4",
+        "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "repa.depth=1",
         "repa.encoder=vit_tiny_patch16_224", f"repa.encoder_weights={tmp_path / 'encoder.safetensors'}",
         "repa.encoder_image_size=64", "repa.projector_dim=16", "optim.batch_size=4", "optim.steps=2",
         "train.sample_every=0", "train.tensorboard=false", f"train.output_dir={tmp_path / 'run'}"])

@@ -111,7 +111,7 @@ def test_train_the_recipe_on_the_latents_with_sample_grids(chain):
     assert all(math.isfinite(r["train/loss"]) and r["train/vb"] > 0 for r in records)  # MSE + VLB (learned sigma)
     assert list((out / "tb").rglob("events.out.tfevents.*"))
     for step in (2, 4):  # 4 decoded 256 px images, 2 per row, 4 px padding, a class caption under each
-        with Image.open(out / "samples" / f"step_{step:07d}.png") as grid:
+        with Image.open(out / "samples" / f"step_{step:09d}.png") as grid:
             assert grid.size == (2 * (256 + 4) + 4, 2 * (256 + 4 + 18) + 4)
     with safe_open(str(out / "ema.safetensors"), "pt") as f:
         meta = f.metadata()
@@ -135,7 +135,7 @@ def test_train_under_torchrun_matches_one_process(chain, tmp_path):
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=f"{name}: {k}")
-    assert (tmp_path / "samples" / f"step_{STEPS:07d}.png").is_file()
+    assert (tmp_path / "samples" / f"step_{STEPS:09d}.png").is_file()
 
 
 def test_sample_then_fid_against_reference_statistics(chain, tmp_path):

@@ -139,3 +139,25 @@ def test_a_resumed_log_window_is_each_ranks_or_under_another_world_the_total_on_
     assert resumed_log_window(saved, 2, 3, 4) is None  # three now: rank 0 holds the total, the others start at zero
     assert resumed_log_window(None, 0, 1, 4) is None  # a checkpoint from before log windows were kept
     assert resumed_log_window(saved, 0, 2, 3) is None  # other loss parts
+
+
+def test_the_checkpoint_sizes_the_docs_quote_are_the_models():
+    """docs/training.md and docs/dit.md say what a DiT-XL/2 run folder needs per checkpoint and after one step;
+    :func:`checkpoint_size` gives those figures (the trainer prints its own run's at the start)."""
+    from pathlib import Path
+
+    from common.train_state import checkpoint_size
+    from diffusion.models import DiT_models
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    quoted = {"DiT-XL/2": "10.8 GB", "DiT-L/4": "7.3 GB", "DiT-B/2": "2.1 GB"}
+    for name, figure in quoted.items():
+        with torch.device("meta"):
+            model = DiT_models[name]()
+        checkpoint, weights = checkpoint_size(model, ema=True)
+        assert f"{checkpoint / 1e9:.1f} GB" == figure
+        if name == "DiT-XL/2":
+            after_one_step = f"{(checkpoint + 2 * weights) / 1e9:.1f} GB"
+            assert (after_one_step, f"{weights / 1e9:.1f} GB") == ("16.2 GB", "2.7 GB")
+            for page in ("training.md", "dit.md"):
+                assert figure in (docs / page).read_text() and after_one_step in (docs / page).read_text()
