@@ -13,6 +13,7 @@ The accelerator must have been built with ``log_with="tensorboard"`` and ``proje
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -155,9 +156,29 @@ def _truncate_records(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
-def progress_bar(accelerator, total: int, initial: int = 0, desc: str = "train"):
-    """tqdm bar shown on the main process only."""
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+_RUN_LABEL: Optional[str] = None
+
+
+@contextlib.contextmanager
+def run_label(label: str):
+    """Name the training that runs inside, on its progress bar and in its stop line, where one command trains several
+    in turn (``make demo``: "DeiT siamese (2 of 4)")."""
+    global _RUN_LABEL
+    before, _RUN_LABEL = _RUN_LABEL, label
+    try:
+        yield
+    finally:
+        _RUN_LABEL = before
+
+
+def labelled(text: str) -> str:
+    """``text`` after the label of the training in progress (:func:`run_label`), if a command set one."""
+    return f"{_RUN_LABEL}: {text}" if _RUN_LABEL else text
+
+
+def progress_bar(accelerator, total: int, initial: int = 0, desc: Optional[str] = None):
+    """tqdm bar shown on the main process only, named ``desc`` (default: the :func:`run_label`, else "train")."""
+    return tqdm(total=total, initial=initial, desc=desc or _RUN_LABEL or "train", dynamic_ncols=True,
                 disable=not accelerator.is_main_process)
 
 

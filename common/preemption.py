@@ -78,13 +78,14 @@ class StopRequests:
                 self.received = number
         return self
 
-    def restore(self) -> None:
+    def restore(self, pass_on: bool = True) -> None:
         """The handlers from before :meth:`install`; ``SIG_IGN`` after :func:`ignore_stop_signals_at_exit`.
 
         A stop signal this run received is passed on to the handler from before when that is a Python function: a
         process that runs several runs in turn (``scripts.compare``) learns of it and starts no further run, also
-        when the signal came after this run's last step, where the run itself ignores it."""
-        previous = self._previous.get(self.received) if self.received else None
+        when the signal came after this run's last step, where the run itself ignores it. ``pass_on=False``: the
+        signal was acted on here (a command that ends on it), so Python's own SIGINT handler raises nothing."""
+        previous = self._previous.get(self.received) if self.received and pass_on else None
         for number, handler in self._previous.items():
             signal.signal(number, signal.SIG_IGN if _IGNORE_AT_EXIT else handler)
         self._previous.clear()

@@ -42,7 +42,7 @@ from common.data import DevicePrefetcher, ResumableSampler, build_train_loader
 from common.distributed import (build_accelerator, check_divisible, check_engine, check_trackers, cpu_group,
                                 gather_objects, rank_seed, seed_everything, use_fast_cuda_kernels)
 from common.durable import atomic_write_text
-from common.logging import MetricsLogger, NonFiniteGuard, progress_bar
+from common.logging import MetricsLogger, NonFiniteGuard, labelled, progress_bar
 from common.preemption import (EXIT_PAUSED, EXIT_PREEMPTED, STOP_SIGNALS, StopRequests, ignore_stop_signals_at_exit,
                                signal_number)
 from common.train_state import (CheckpointManager, RunDirectoryError, RunLock, RunLockedError, capture_rng_state,
@@ -512,8 +512,8 @@ class Trainer:
                 if self.step % run.ckpt_every == 0 or last or stop_now or signalled or minutes_due:
                     self._save_checkpoint(hooks_pending=bool(signalled))
                 if signalled:  # out now, within the scheduler's grace time; the next run does this step's hooks
-                    accelerator.print(f"{signalled} received: stopped at step {self.step} with a checkpoint (exit "
-                                      f"{EXIT_PREEMPTED}); run the same command to continue")
+                    accelerator.print(labelled(f"{signalled} received: stopped at step {self.step} with a checkpoint "
+                                               f"(exit {EXIT_PREEMPTED}); run the same command to continue"))
                     return {"stopped_at": self.step, "signal": signalled}
                 self._after_step(last=last, epoch_end=self.step % self.steps_per_epoch == 0)
                 if stop_now:

@@ -233,15 +233,21 @@ def check_run_settings(run_dir: Path, opts, spec: Optional[RunSpec] = None) -> d
         settings["objective"] = {"name": spec.objective, **objective_settings(spec, opts)}
     if spec is not None and spec.topology in (getattr(opts, "variants", None) or {}):
         settings["variant"] = dict(opts.variants[spec.topology])
-    settings_file = run_dir / SETTINGS_FILE
-    if settings_file.is_file():
-        before = json.loads(settings_file.read_text())
-        changed = {k: (before.get(k), v) for k, v in json.loads(json.dumps(settings)).items() if before.get(k) != v}
-        if changed:
-            raise InputError(f"{run_dir} was made with other settings ("
-                             + ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items())
-                             + "); use another --out, or delete that run directory to redo it")
+    refuse_other_settings(run_dir, settings, "use another --out, or delete that run directory to redo it")
     return settings
+
+
+def refuse_other_settings(run_dir: Path, settings: dict, fix: str, name: str = SETTINGS_FILE) -> None:
+    """An error naming each setting that differs, if ``run_dir/name`` records other ``settings`` than these (a
+    finished or half-done run must not be continued or reused under others); ``fix`` says how to go on."""
+    settings_file = run_dir / name
+    if not settings_file.is_file():
+        return
+    before = json.loads(settings_file.read_text())
+    changed = {k: (before.get(k), v) for k, v in json.loads(json.dumps(settings)).items() if before.get(k) != v}
+    if changed:
+        raise InputError(f"{run_dir} was made with other settings ("
+                         + ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items()) + f"); {fix}")
 
 
 def run_one(spec: RunSpec, runs_dir: Path, opts) -> Optional[dict]:

@@ -1,14 +1,20 @@
 """`make demo`: train and compare Pre-Norm and SiameseNorm on real data, on a CPU.
 
-Each model family contributes one function ``demo_<family>(out_dir, args) -> (rows, curves)``; ``main`` runs
-the selected families, prints one table (Top-1, params, training images/s, wall time) and writes
-``<out>/loss_curves.png`` and ``<out>/results.json``.
+Each topology of each family is a *part* (``demo_<family>``), trained in its own run folder ``<out>/<family>_<topology>``;
+``main`` runs the parts in turn, prints one table (Top-1 or Frechet distance, params, training images/s, wall time) and
+writes ``<out>/loss_curves.png`` and ``<out>/results.json``.
 
 * DeiT: micro-DeiTs (``configs/fmnist_deit_{pre,siamese}.yaml``) trained on Fashion-MNIST, Top-1 on its 10k
   test images.
 * DiT: pixel-space micro-DiTs (``configs/fmnist_dit_{pre,siamese}.yaml``), EMA sample grids
   (``<out>/dit_<topology>_grid.png``) and the Frechet distance of generated samples to the test set in the
   features of a small Fashion-MNIST classifier (trained once and cached by ``diffusion.evaluation.fmnist_classifier``).
+
+Stopped, it continues: the same command keeps the finished parts (their ``demo_result.json``) and resumes a training
+from its newest checkpoint, as every trainer does. A stop signal (SIGTERM, SIGUSR1, Ctrl-C's SIGINT) checkpoints the
+training in progress and ends the command with one line and exit 4; one that comes while a part samples or scores
+lets that part finish first. The progress bar and the stop line name the part: ``DeiT siamese (2 of 4)``. A part
+made with other options is refused, naming them.
 
     python -m scripts.demo                              # both families, both topologies, default budget
     python -m scripts.demo --families deit --train-images 10000     # quicker, less accurate
@@ -17,54 +23,69 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import signal
 import statistics
 import textwrap
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
 from common.durable import atomic_write_text
+from common.preemption import EXIT_PREEMPTED, STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
+PART_RESULT = "demo_result.json"  # a finished part: its table row and loss curve
+PART_SETTINGS = "demo_settings.json"  # the options a part's result depends on
+STOP = (*STOP_SIGNALS, "SIGINT")  # a scheduler's signals and Ctrl-C: checkpoint, one line, exit 4
+FAMILY_NAMES = {"deit": "DeiT", "dit": "DiT"}
 
 
-def fresh_dir(run_dir: Path) -> Path:
-    """The demo reruns from scratch: it removes its own earlier run (a trainer never overwrites a run)."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return run_dir
+def trainer_overrides(run_dir: Path, args) -> list:
+    """What every part's training gets besides its recipe: its folder, no TensorBoard, the threads, the stop signals."""
+    return [f"train.output_dir={run_dir}", "train.tensorboard=false", f"train.threads={args.threads}",
+            f"train.stop_signals=[{', '.join(STOP)}]"]
 
 
-def demo_deit(out_dir: Path, args) -> tuple:
-    """Micro-DeiT Pre-Norm vs SiameseNorm on Fashion-MNIST (same data order, same init seed)."""
-    from common.config import load_config
+def train_part(train, cfg, run_dir: Path) -> Tuple[Optional[dict], Optional[float], list, list]:
+    """``(final metrics or None if a stop signal ended the training, wall seconds or None if the training continued an
+    earlier invocation's, loss curve, training images/s)``."""
     from common.logging import read_metrics
+
+    continued = (run_dir / "checkpoints").is_dir()
+    start = time.perf_counter()
+    final = train(cfg)
+    if "signal" in final:  # the trainer said where it stopped and how to continue
+        return None, None, [], []
+    wall = None if continued else time.perf_counter() - start
+    records = read_metrics(run_dir)
+    curve = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+    return final, wall, curve, [r["train/images_per_s"] for r in records if "train/images_per_s" in r]
+
+
+def demo_deit(run_dir: Path, topology: str, args) -> Optional[tuple]:
+    """A micro-DeiT on Fashion-MNIST (the same data order and init seed for every topology): ``(row, loss curve)``,
+    or None if a stop signal ended its training."""
+    from common.config import load_config
     from vision.train import TrainConfig, train
 
-    rows, curves = [], {}
-    for topology in args.topologies:
-        run_dir = fresh_dir(out_dir / f"deit_{topology}")
-        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false", f"train.threads={args.threads}"]
-        if args.epochs:
-            overrides.append(f"optim.epochs={args.epochs}")
-        if args.train_images:
-            overrides.append(f"data.max_train_samples={args.train_images}")
-        cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_deit_{topology}.yaml", overrides)
-        start = time.perf_counter()
-        final = train(cfg)
-        wall = time.perf_counter() - start
-        records = read_metrics(run_dir)
-        losses = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-        speeds = [r["train/images_per_s"] for r in records if "train/images_per_s" in r]
-        curves[f"DeiT {topology}"] = losses
-        rows.append({"family": "DeiT", "model": cfg.model.name, "topology": topology,
-                     "metric": "Top-1 %", "value": final["val/top1"], "params": final["params"],
-                     "images_per_s": statistics.median(speeds), "wall_s": wall, "data": "Fashion-MNIST test (10k)"})
-    return rows, curves
+    overrides = trainer_overrides(run_dir, args)
+    if args.epochs:
+        overrides.append(f"optim.epochs={args.epochs}")
+    if args.train_images:
+        overrides.append(f"data.max_train_samples={args.train_images}")
+    if args.val_images:
+        overrides.append(f"data.max_val_samples={args.val_images}")
+    cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_deit_{topology}.yaml", overrides)
+    final, wall, curve, speeds = train_part(train, cfg, run_dir)
+    if final is None:
+        return None
+    return {"family": "DeiT", "model": cfg.model.name, "topology": topology, "metric": "Top-1 %",
+            "value": final["val/top1"], "params": final["params"], "images_per_s": statistics.median(speeds),
+            "wall_s": wall, "data": f"Fashion-MNIST test ({args.val_images or '10k'})"}, curve
 
 
 def ensure_fmnist_classifier(args) -> None:
     """The Fashion-MNIST feature extractor for the Frechet distance: train it once if the cache lacks it."""
-    from common.cli import one_line_errors
     from diffusion.evaluation.features import FeatureExtractorError, resolve_weights
     from diffusion.evaluation.fmnist_classifier import train_fmnist_classifier
 
@@ -72,42 +93,36 @@ def ensure_fmnist_classifier(args) -> None:
         resolve_weights("fmnist-cnn")
     except FeatureExtractorError:
         print(f"training the Fashion-MNIST feature classifier once ({args.classifier_epochs} epoch(s)) ...")
-        with one_line_errors():
-            train_fmnist_classifier(epochs=args.classifier_epochs)
+        train_fmnist_classifier(epochs=args.classifier_epochs)
 
 
-def demo_dit(out_dir: Path, args) -> tuple:
-    """Pixel-space micro-DiT Pre-Norm vs SiameseNorm on Fashion-MNIST: train, sample a grid, Frechet distance."""
+def demo_dit(run_dir: Path, topology: str, args) -> Optional[tuple]:
+    """A pixel-space micro-DiT on Fashion-MNIST: train, sample a grid, Frechet distance: ``(row, loss curve)``, or
+    None if a stop signal ended its training."""
     from common.config import load_config
-    from common.logging import read_metrics
     from diffusion import sample
     from diffusion.fid import sample_and_score
     from diffusion.train import TrainConfig, train
 
     ensure_fmnist_classifier(args)
-    rows, curves = [], {}
-    for topology in args.topologies:
-        run_dir = fresh_dir(out_dir / f"dit_{topology}")
-        overrides = [f"train.output_dir={run_dir}", "train.tensorboard=false", "train.sample_every=0",
-                     f"train.threads={args.threads}"] + ([f"optim.steps={args.dit_steps}"] if args.dit_steps else [])
-        cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml", overrides)
-        fid_samples, sample_steps = args.fid_samples or cfg.train.fid_samples, args.sample_steps or cfg.train.fid_steps
-        start = time.perf_counter()
-        final = train(cfg)
-        wall = time.perf_counter() - start
-        records = read_metrics(run_dir)
-        curves[f"DiT {topology}"] = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-        speeds = [r["train/images_per_s"] for r in records if "train/images_per_s" in r]
-        checkpoint = run_dir / "ema.safetensors"
-        sample.main(["--checkpoint", str(checkpoint), "--grid", str(out_dir / f"dit_{topology}_grid.png"),
-                     "--labels", ",".join(str(c) for c in range(10) for _ in range(6)), "--nrow", "6",  # a row per class
-                     "--steps", str(sample_steps), "--quiet"])
-        scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=fid_samples, steps=sample_steps)
-        rows.append({"family": "DiT", "model": cfg.model.name, "topology": topology, "metric": "FD fmnist",
-                     "value": scores["metrics"]["fid"], "params": final["params"],
-                     "images_per_s": statistics.median(speeds) if speeds else float("nan"), "wall_s": wall,
-                     "data": f"{fid_samples} samples vs Fashion-MNIST test, fmnist-cnn features"})
-    return rows, curves
+    overrides = [*trainer_overrides(run_dir, args), "train.sample_every=0"] + (
+        [f"optim.steps={args.dit_steps}"] if args.dit_steps else [])
+    cfg = load_config(TrainConfig, ROOT / f"configs/fmnist_dit_{topology}.yaml", overrides)
+    fid_samples, sample_steps = args.fid_samples or cfg.train.fid_samples, args.sample_steps or cfg.train.fid_steps
+    start = time.perf_counter()
+    final, wall, curve, speeds = train_part(train, cfg, run_dir)
+    if final is None:
+        return None
+    checkpoint = run_dir / "ema.safetensors"
+    sample.main(["--checkpoint", str(checkpoint), "--grid", str(args.out / f"dit_{topology}_grid.png"),
+                 "--labels", ",".join(str(c) for c in range(10) for _ in range(6)), "--nrow", "6",  # a row per class
+                 "--steps", str(sample_steps), "--quiet"])
+    scores = sample_and_score(checkpoint, run_dir / "fid_samples", num_samples=fid_samples, steps=sample_steps)
+    return {"family": "DiT", "model": cfg.model.name, "topology": topology, "metric": "FD fmnist",
+            "value": scores["metrics"]["fid"], "params": final["params"],
+            "images_per_s": statistics.median(speeds) if speeds else float("nan"),
+            "wall_s": None if wall is None else time.perf_counter() - start,
+            "data": f"{fid_samples} samples vs Fashion-MNIST test, fmnist-cnn features"}, curve
 
 
 FAMILIES = {"deit": demo_deit, "dit": demo_dit}
@@ -139,11 +154,13 @@ def one_seed_note(results: Path = RESULTS) -> str:
 
 
 def print_table(rows: list) -> None:
+    """The results; a part continued from an earlier invocation has no wall time ("--")."""
     header = f"{'family':<8}{'topology':<10}{'metric':<10}{'value':>8}{'params':>12}{'train img/s':>13}{'wall s':>9}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
+        wall = "--" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
         print(f"{r['family']:<8}{r['topology']:<10}{r['metric']:<10}{r['value']:>8.2f}{r['params']:>12,}"
-              f"{r['images_per_s']:>13.1f}{r['wall_s']:>9.1f}")
+              f"{r['images_per_s']:>13.1f}{wall:>9}")
 
 
 def loss_figure(curves: dict):
@@ -176,13 +193,74 @@ def plot_curves(curves: dict, path: Path) -> None:
     pyplot().close(fig)
 
 
+def part_settings(family: str, args) -> dict:
+    """The options a part's result depends on: a finished or half-done part is not reused or continued under others."""
+    names = ("train_images", "epochs", "val_images") if family == "deit" else ("dit_steps", "sample_steps",
+                                                                                "fid_samples")
+    return {f"--{name.replace('_', '-')}": getattr(args, name) for name in names}
+
+
+def run_part(family: str, topology: str, label: str, args) -> Optional[tuple]:
+    """One part: kept if it finished before, else trained (continuing its run folder) and recorded; ``(row, loss
+    curve)``, or None if a stop signal ended its training."""
+    from common.logging import run_label
+    from comparison.runs import refuse_other_settings
+
+    run_dir = args.out / f"{family}_{topology}"
+    settings = part_settings(family, args)
+    refuse_other_settings(run_dir, settings, f"rerun with those, or pass another --out (or delete {run_dir} to redo "
+                                             "this part)", name=PART_SETTINGS)
+    done = run_dir / PART_RESULT
+    if done.is_file():
+        print(f"{label}: finished before, kept ({run_dir})", flush=True)
+        kept = json.loads(done.read_text())
+        return kept["row"], kept["curve"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / PART_SETTINGS, json.dumps(settings))
+    print(f"{label}: {run_dir}", flush=True)
+    with run_label(label):
+        found = FAMILIES[family](run_dir, topology, args)
+    if found is not None:
+        atomic_write_text(done, json.dumps({"row": found[0], "curve": found[1]}))
+    return found
+
+
+def run_parts(args) -> Tuple[list, dict]:
+    """Every part in turn. A stop signal during a training ends it with a checkpoint (the trainer says so); one that
+    comes between trainings ends the demo after the part in progress. Either way the command exits 4 after one line,
+    and the same command continues."""
+    from common.preemption import StopRequests
+
+    parts = [(family, topology) for family in args.families for topology in args.topologies]
+    stop = StopRequests(STOP).install()  # each training's own handler takes over while it trains
+    rows, curves = [], {}
+    try:
+        for index, (family, topology) in enumerate(parts, 1):
+            label = f"{FAMILY_NAMES[family]} {topology} ({index} of {len(parts)})"
+            found = run_part(family, topology, label, args)
+            if found is None:
+                raise SystemExit(EXIT_PREEMPTED)
+            rows.append(found[0])
+            curves[f"{FAMILY_NAMES[family]} {topology}"] = found[1]
+            if stop.received and index < len(parts):
+                print(f"{signal.Signals(stop.received).name} received: the demo stopped after {label}, which is kept "
+                      f"(exit {EXIT_PREEMPTED}); run the same command to continue", flush=True)
+                raise SystemExit(EXIT_PREEMPTED)
+    finally:
+        stop.restore(pass_on=False)  # the demo acts on a signal itself: it ends with its line, exit 4
+    return rows, curves
+
+
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(prog="python -m scripts.demo", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--topologies", nargs="+", default=["pre", "siamese"], choices=["pre", "siamese", "post"])
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo",
+                        help="the parts' run folders and the results; the same command continues what is there")
     parser.add_argument("--train-images", type=int, default=None, help="DeiT: first N Fashion-MNIST training images (default: all 60k)")
+    parser.add_argument("--val-images", type=int, default=None, help="DeiT: Top-1 on the first N test images "
+                        "(default: all 10k)")
     parser.add_argument("--epochs", type=int, default=None, help="DeiT: passes over those images (default: the "
                         "recipe's, configs/fmnist_deit.yaml)")
     parser.add_argument("--dit-steps", type=int, default=None, help="DiT: optimizer steps of batch 32 (default: the "
@@ -198,13 +276,12 @@ def main(argv=None) -> list:
     args = parser.parse_args(argv)
     import torch
 
+    from common.cli import one_line_errors
+
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, curves = [], {}
-    for family in args.families:
-        r, c = FAMILIES[family](args.out, args)
-        rows += r
-        curves.update(c)
+    with one_line_errors():
+        rows, curves = run_parts(args)
     print_table(rows)
     print("\n" + one_seed_note())
     plot_curves(curves, args.out / "loss_curves.png")

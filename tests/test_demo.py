@@ -2,15 +2,24 @@
 plot and results file, and the one-seed caveat it prints."""
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from scipy.stats import t
 
 from common.checkpoint import save_weights
+from common.logging import read_metrics
+from common.preemption import EXIT_PREEMPTED
 from diffusion.evaluation.features import CACHE_ENV, FMNIST_WEIGHTS_FILE, FashionMNISTClassifier
 from scripts.demo import RESULTS, main, one_seed_note
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.fashion_mnist
@@ -66,3 +75,72 @@ def test_the_one_seed_note_prints_the_figures_of_the_reports_summaries(tmp_path)
     for figure in summary_figures(tmp_path):
         assert figure in note
     assert "was +1.46 Top-1" in note
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def lines_until(proc, start: str) -> list:
+    """The demo's stdout, read as it prints it, up to the first line that starts with ``start``."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(start):
+            return seen
+    raise AssertionError(f"no line starting {start!r}: {''.join(seen)[-3000:]} {proc.stderr.read()[-3000:]}")
+
+
+def stop_lines(out: str, err: str) -> list:
+    return [line for line in (out + err).splitlines() if "received" in line]
+
+
+@pytest.mark.fashion_mnist
+def test_a_stopped_demo_says_how_to_continue_in_one_line_and_the_same_command_continues(tmp_path, capsys):
+    """A real SIGTERM to the demo as its second part starts, then Ctrl-C (SIGINT to the whole process group, its data
+    workers too) as its third starts: each ends with one line naming the part and exit 4 (the training, just set up,
+    checkpoints its first step), and the same command keeps the finished part, continues the stopped ones from their
+    checkpoints and finishes."""
+    out = tmp_path / "demo"
+    args = ["--families", "deit", "--topologies", "pre", "siamese", "post", "--train-images", "256", "--val-images",
+            "100", "--epochs", "1", "--out", str(out)]
+    demo = [sys.executable, "-m", "scripts.demo", *args]
+    proc = subprocess.Popen(demo, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines_until(proc, "DeiT siamese (2 of 3): ")
+    proc.send_signal(signal.SIGTERM)  # as a scheduler does
+    said, err = proc.communicate(timeout=600)
+    assert proc.returncode == EXIT_PREEMPTED and "Traceback" not in err, err[-3000:]
+    assert stop_lines(said, err) == ["DeiT siamese (2 of 3): SIGTERM received: stopped at step 1 with a checkpoint "
+                                     "(exit 4); run the same command to continue"], said[-2000:]
+    pre_weights = (out / "deit_pre" / "model.safetensors").stat().st_mtime_ns
+
+    proc = subprocess.Popen(demo, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    before = lines_until(proc, "DeiT post (3 of 3): ")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+    said, err = proc.communicate(timeout=600)
+    assert proc.returncode == EXIT_PREEMPTED and "Traceback" not in err, err[-3000:]
+    assert f"DeiT pre (1 of 3): finished before, kept ({out / 'deit_pre'})\n" in before
+    assert stop_lines(said, err) == ["DeiT post (3 of 3): SIGINT received: stopped at step 1 with a checkpoint "
+                                     "(exit 4); run the same command to continue"], said[-2000:]
+
+    rows = main(args)  # the same command, to the end
+    assert [r["topology"] for r in rows] == ["pre", "siamese", "post"] and all(r["value"] == r["value"] for r in rows)
+    assert (out / "deit_pre" / "model.safetensors").stat().st_mtime_ns == pre_weights  # never trained again
+    assert rows[0]["wall_s"] > 0 and rows[2]["wall_s"] is None  # a continued part has no wall time of its own
+    for part in ("deit_siamese", "deit_post"):  # each continued from its step-1 checkpoint to its last step, 2
+        records = read_metrics(out / part)
+        assert [r["from"].rsplit("/", 1)[1] for r in records if r.get("event") == "resumed"] == ["step_000000001.pt"]
+        assert [r["step"] for r in records if "train/loss" in r] == [2], part
+    assert "--" in capsys.readouterr().out.split("wall s")[1].splitlines()[3]  # the table says so
+
+
+def test_a_part_made_with_other_options_is_refused_naming_them(tmp_path, capsys):
+    from tests.refusals import refusal
+
+    (tmp_path / "deit_pre").mkdir()
+    (tmp_path / "deit_pre" / "demo_settings.json").write_text(json.dumps(
+        {"--train-images": 256, "--epochs": 1, "--val-images": None}))  # what a first `make demo` wrote
+    line = refusal(main, ["--families", "deit", "--epochs", "2", "--train-images", "256", "--out", tmp_path], capsys)
+    assert line == (f"error: {tmp_path / 'deit_pre'} was made with other settings (--epochs: 1 then, 2 now); rerun "
+                    f"with those, or pass another --out (or delete {tmp_path / 'deit_pre'} to redo this part)"), line

@@ -87,7 +87,7 @@ class DeiTTask(trainer.Task):
             build_transform(cfg.data, training=False), train_loader=load_rgb_tensor)
         self.val_loader = build_eval_loader(val_set, cfg.train.eval_batch_size, cfg.data.num_workers,
                                             accelerator.process_index, accelerator.num_processes,
-                                            persistent_workers=True)
+                                            persistent_workers=True, ignore_signals=cfg.train.stop_signals)
         self.mixup = build_mixup(cfg.augment, cfg.data.num_classes)
         self.criterion = build_criterion(cfg.augment)
         if cfg.distill.on:  # DeiT's distillation: the teacher sees the same (mixed) images as the student
