@@ -12,9 +12,10 @@ never the trainer. :class:`Trainer` does everything else, the same way for both:
   :data:`RESUMABLE_CHANGES` (plus the task's own list) allows it and refused, naming the keys, otherwise; a run
   that already finished is left exactly as it was;
 * the step: ``optim.grad_accum`` micro-batches (no gradient all-reduce but the last), autocast, gradient norm
-  (clipping only when ``optim.clip_grad`` is set), fused AdamW, EMA. Whether a step is finite is decided on the
-  device: a non-finite step changes neither the weights, the optimizer state nor the EMA, and the host never
-  waits for the device except on logging and checkpoint steps (a :class:`LogWindow` accumulates there);
+  (clipping only when ``optim.clip_grad`` is set), fused AdamW (or LAMB), EMA. Whether a step is finite is decided
+  on the device: a non-finite step changes neither the weights, the optimizer state nor the EMA, and the host never
+  waits for the device except on logging and checkpoint steps (a :class:`LogWindow` accumulates there; LAMB's step
+  waits for the flag);
 * checkpoints every ``train.ckpt_every`` steps, at ``train.stop_at_step`` and at the end, never during a streak of
   non-finite steps (the newest checkpoint is always one taken after a finite step);
 * task hooks run under :func:`preserved_rng`, so evaluation never moves training randomness (a resumed run is
@@ -277,9 +278,12 @@ def changed_settings(saved: dict, current: dict, defaults: Optional[dict] = None
 
 
 def build_optimizer(model: torch.nn.Module, optim, lr: float) -> torch.optim.Optimizer:
-    """Fused AdamW (no weight decay on biases, norms and ``model.no_weight_decay()``, as timm and DeiT do).
+    """Fused AdamW, or timm's ``Lamb`` with ``optim.optimizer=lamb`` (DeiT III's); no weight decay on biases, norms
+    and ``model.no_weight_decay()``, as timm, DeiT and DeiT III do.
 
-    Fused because it takes a ``found_inf`` tensor: a non-finite step is skipped on the device, no host sync.
+    Fused AdamW takes a ``found_inf`` tensor: a non-finite step is skipped on the device, no host sync. LAMB takes
+    none, so the trainer reads the flag on the host before its step (one sync per step; DeiT III's loop reads its
+    loss every step too).
     """
     from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
@@ -288,7 +292,12 @@ def build_optimizer(model: torch.nn.Module, optim, lr: float) -> torch.optim.Opt
     if layer_decay is not None:
         groups = param_groups_layer_decay(model, optim.weight_decay, skip, layer_decay=layer_decay)
     else:
-        groups = param_groups_weight_decay(model, optim.weight_decay, skip) if optim.weight_decay else model.parameters()
+        groups = (param_groups_weight_decay(model, optim.weight_decay, no_weight_decay_list=skip) if optim.weight_decay
+                  else model.parameters())  # by keyword: timm 1.0.31 put weight_decay_exclude_1d third
+    if getattr(optim, "optimizer", "adamw") == "lamb":
+        from timm.optim import Lamb
+
+        return Lamb(groups, lr=lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas), eps=optim.eps)
     return torch.optim.AdamW(groups, lr=lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                              eps=optim.eps, fused=True)
 
@@ -548,7 +557,8 @@ class Trainer:
         if self.world > 1:  # every rank must skip together (the gradients are shared; the losses are not)
             torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         self.optimizer.found_inf = found_inf  # fused AdamW skips the whole update (and its step count) when 1
-        self.optimizer.step()
+        if self.optimizer.defaults.get("fused") or not found_inf.item():  # LAMB: skipped from the host
+            self.optimizer.step()
         if self.ema is not None:
             self.ema.update(self.model, self.step + 1, skip=found_inf)
         self.optimizer.zero_grad(set_to_none=True)

@@ -3,7 +3,8 @@
 * :class:`AugmentConfig` (:mod:`vision.config`): the ``augment:`` section of a recipe (neutral defaults; the DeiT
   numbers live in ``configs/deit_recipe.yaml``).
 * :func:`build_transform`: timm's ``create_transform`` (RandAugment, random-resized crop, random erasing;
-  eval: resize ``input_size / crop_pct`` + center crop). ``use_prefetcher=True`` splits the training transform
+  eval: resize ``input_size / crop_pct`` + center crop), or DeiT III's 3-Augment (:func:`three_augment`) with
+  ``augment.three_augment``. ``use_prefetcher=True`` splits the training transform
   in two: the worker half ends in uint8 images plus the random-erasing boxes it drew, and
   :class:`NormalizeErase` (the batch half) normalises and erases on the device, behind
   :class:`common.data.DevicePrefetcher`; its images are read by :func:`load_rgb_tensor`::
@@ -24,12 +25,13 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
+import torchvision.transforms as T
 import torchvision.transforms.v2.functional as TF
-from PIL import Image
+from PIL import Image, ImageFilter, ImageOps
 from timm.data import Mixup, auto_augment, create_transform
 from timm.data.mixup import cutmix_bbox_and_lam
 from timm.data.random_erasing import RandomErasing
-from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation
+from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation, str_to_interp_mode
 
 from common.cli import InputError
 from vision.config import AugmentConfig, DataConfig
@@ -76,6 +78,8 @@ def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, t
             raise ValueError("use_prefetcher=True splits the training transform; evaluation uses the plain one")
         return create_transform(is_training=False, crop_pct=data.crop_pct, **common)
     a = augment or AugmentConfig()
+    if a.three_augment:
+        return three_augment(data, a, use_prefetcher)
     transform = create_transform(
         is_training=True, scale=a.scale, hflip=a.hflip, color_jitter=a.color_jitter or None,
         auto_augment=a.auto_augment, re_prob=a.re_prob, re_mode=a.re_mode, re_count=a.re_count,
@@ -87,6 +91,74 @@ def build_transform(data: DataConfig, augment: Optional[AugmentConfig] = None, t
         stages = [swaps[type(t)](t) if type(t) in swaps else t for t in transform.transforms]
         transform.transforms = stages + [RandomErasingBoxes(a.re_prob, a.re_mode, a.re_count)]
     return transform
+
+
+# ----------------------------------------------------------------------------- DeiT III's 3-Augment
+
+def grayscale(image: Image.Image) -> Image.Image:
+    return image.convert("L").convert("RGB")  # torchvision's Grayscale(3) on a PIL image: the same pixels
+
+
+def solarize(image: Image.Image) -> Image.Image:
+    return ImageOps.solarize(image)  # values >= 128 inverted
+
+
+def gaussian_blur(image: Image.Image) -> Image.Image:
+    """Pillow's Gaussian blur of a radius drawn uniformly from [0.1, 2] (DeiT III's, after DINO's)."""
+    return image.filter(ImageFilter.GaussianBlur(radius=random.uniform(0.1, 2.0)))
+
+
+class ThreeAugmentOp:
+    """One of 3-Augment's three operations. DeiT III's draw ``random.random()`` against their probability (1) before
+    acting; the draw is made here too, so that for a seed the blur radius and every later draw are DeiT III's."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        random.random()
+        return self.op(image)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.op.__name__})"
+
+
+class Uint8ToPIL:
+    """A uint8 ``(3, H, W)`` tensor (:func:`vision.data.load_rgb_tensor`) as a PIL image; a PIL image passes through."""
+
+    def __call__(self, image):
+        return Image.fromarray(image.permute(1, 2, 0).numpy()) if isinstance(image, torch.Tensor) else image
+
+
+def three_augment(data: DataConfig, augment: AugmentConfig, use_prefetcher: bool = False) -> T.Compose:
+    """DeiT III's 3-Augment (facebookresearch/deit ``augment.py``, ``--ThreeAugment``): a random-resized crop of
+    ``augment.scale`` (``augment.simple_random_crop``: DeiT III's ``--src``, a resize to ``input_size`` and a random
+    crop with 4 px reflect padding) and a flip, then ONE of grayscale, solarization and Gaussian blur, chosen
+    uniformly per image, then a colour jitter of brightness, contrast and saturation by ``augment.color_jitter``.
+
+    ``use_prefetcher=True`` ends in ``(uint8 image, erasing boxes)`` as :func:`build_transform` does (random-resized
+    crops resampled by :class:`RandomResizedCropTensor`); else in normalised float images (and timm's random erasing
+    when ``augment.re_prob``, which DeiT III sets to 0).
+    """
+    size, interpolation = data.input_size, data.interpolation
+    if augment.simple_random_crop:
+        crop = [Uint8ToPIL(), T.Resize(size, interpolation=str_to_interp_mode(interpolation)),
+                T.RandomCrop(size, padding=4, padding_mode="reflect")]
+    else:
+        crop = [RandomResizedCropAndInterpolation(size, scale=augment.scale, interpolation=interpolation)]
+        if use_prefetcher:
+            crop = [RandomResizedCropTensor.like(crop[0])]
+    one_of = T.RandomChoice([ThreeAugmentOp(grayscale), ThreeAugmentOp(solarize), ThreeAugmentOp(gaussian_blur)])
+    stages = crop + [T.RandomHorizontalFlip(augment.hflip), one_of]
+    if augment.color_jitter:
+        stages.append(T.ColorJitter(augment.color_jitter, augment.color_jitter, augment.color_jitter))
+    if use_prefetcher:
+        erasing = RandomErasingBoxes(augment.re_prob, augment.re_mode, augment.re_count)
+        return T.Compose(stages + [PILToUint8(), erasing])
+    stages += [T.ToTensor(), T.Normalize(data.mean, data.std)]
+    if augment.re_prob > 0:
+        stages.append(RandomErasing(augment.re_prob, mode=augment.re_mode, max_count=augment.re_count, device="cpu"))
+    return T.Compose(stages)
 
 
 # ----------------------------------------------------------------------------- the prefetcher split

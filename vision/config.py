@@ -33,6 +33,7 @@ class ModelConfig:
     name: str  # a timm model name, e.g. deit_tiny_siamese_patch16_224
     kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. topology, embed_dim, depth, num_heads, patch_size
     drop_path: Annotated[float, Range(ge=0, lt=1)] = 0.0  # stochastic-depth rate of the last block (timm's drop_path_rate)
+    drop_path_schedule: Literal["linear", "uniform"] = "linear"  # linear: 0 at the first block rising to drop_path (timm, DeiT); uniform: drop_path at every block (DeiT III)
     pretrained: bool = False  # timm's pretrained weights (needs them cached; no download here)
 
     def __post_init__(self):
@@ -88,7 +89,7 @@ class AugmentConfig:
     """Training-time augmentation and target mixing (neutral defaults: nothing on)."""
 
     auto_augment: Optional[str] = None  # timm policy string, DeiT: rand-m9-mstd0.5-inc1
-    color_jitter: Annotated[float, Range(ge=0)] = 0.0  # ignored by timm when auto_augment is set
+    color_jitter: Annotated[float, Range(ge=0)] = 0.0  # brightness, contrast, saturation (3-Augment, and timm's pipeline without auto_augment)
     scale: Tuple[CropArea, CropArea] = (0.08, 1.0)  # random-resized-crop area range
     hflip: Probability = 0.5  # horizontal flip probability
     re_prob: Probability = 0.0  # random erasing probability
@@ -101,10 +102,23 @@ class AugmentConfig:
     mixup_switch_prob: Probability = 0.5  # probability of cutmix instead of mixup when both are on
     mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # one lambda per batch, pair of images, or image
     label_smoothing: Annotated[float, Range(ge=0, lt=1)] = 0.0  # target smoothing (inside mixup's soft targets when mixing)
+    three_augment: bool = False  # DeiT III's 3-Augment in place of timm's pipeline: crop, flip, one of grayscale / solarization / blur, color_jitter
+    simple_random_crop: bool = False  # 3-Augment's crop: resize, then a random crop with 4 px reflect padding (DeiT III's --src; scale unused)
+    bce_loss: bool = False  # binary cross-entropy on the (mixed) targets binarised at > 0 (DeiT III's --bce-loss)
 
     def __post_init__(self):
         if self.scale[0] > self.scale[1]:
             raise ConfigError(f"augment.scale={list(self.scale)}: the smallest crop area comes first")
+        if self.three_augment and self.auto_augment:
+            raise ConfigError(f"augment.three_augment=true replaces timm's pipeline, and with it augment.auto_augment="
+                              f"{self.auto_augment!r}: set augment.auto_augment=null (DeiT III trains without it)")
+        if self.simple_random_crop and not self.three_augment:
+            raise ConfigError("augment.simple_random_crop=true is 3-Augment's crop (DeiT III's --src): set "
+                              "augment.three_augment=true as well, or leave simple_random_crop false")
+        if self.bce_loss and self.label_smoothing > 0:
+            raise ConfigError(f"augment.bce_loss=true makes every target above 0 a positive (DeiT III's rule), and "
+                              f"augment.label_smoothing={self.label_smoothing:g} puts every class above 0: set "
+                              "augment.label_smoothing=0 (DeiT III trains its BCE without smoothing)")
 
 
 @dataclass
@@ -149,11 +163,12 @@ class DistillConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig(trainer.OptimConfig):
-    """AdamW with a per-step cosine schedule and linear warmup; the numbers are the recipe's
-    (configs/deit_recipe.yaml, configs/fmnist_deit.yaml)."""
+    """AdamW (or LAMB) with a per-step cosine schedule and linear warmup; the numbers are the recipe's
+    (configs/deit_recipe.yaml, configs/deit3_recipe.yaml, configs/fmnist_deit.yaml)."""
 
     base_lr: Annotated[float, Range(gt=0)]  # peak lr at batch lr_base_batch
-    lr_base_batch: Annotated[int, Range(ge=1)]  # lr = base_lr * batch_size / lr_base_batch (DeiT's linear scaling rule)
+    lr_base_batch: Optional[Annotated[int, Range(ge=1)]]  # lr = base_lr * batch_size / lr_base_batch (DeiT's linear scaling rule); null: lr = base_lr at any batch (DeiT III's --unscale-lr)
+    optimizer: Literal["adamw", "lamb"] = "adamw"  # lamb: timm's Lamb (DeiT III's, as apex's FusedLAMB: trust ratio, global grad-norm clip 1.0)
     epochs: Annotated[int, Range(ge=1)]  # passes over the training set
     warmup_epochs: Annotated[float, Range(ge=0)] = 0.0  # off
     warmup_lr: Optional[Annotated[float, Range(ge=0)]] = None  # lr at step 0 of the warmup (needed with warmup_epochs > 0)
@@ -166,7 +181,7 @@ class OptimConfig(trainer.OptimConfig):
 
     @property
     def lr(self) -> float:
-        return self.base_lr * self.batch_size / self.lr_base_batch
+        return self.base_lr if self.lr_base_batch is None else self.base_lr * self.batch_size / self.lr_base_batch
 
 
 @dataclass
@@ -200,6 +215,9 @@ class TrainConfig:
         if self.augment.mixup > 0 or self.augment.cutmix > 0:
             if self.optim.batch_size % 2:
                 raise ConfigError("mixup/cutmix mix pairs of images: optim.batch_size must be even")
+        if self.augment.three_augment and self.data.backend == "dali":
+            raise ConfigError("augment.three_augment=true runs in the DataLoader workers, which data.backend=dali "
+                              "replaces: set data.backend=torch")
 
     def check_registered(self) -> None:
         if self.distill.on and "distilled" not in self.model.name:

@@ -9,9 +9,10 @@ After ``import vision`` the names in :data:`MODEL_NAMES` exist in timm's registr
     deit_{tiny,small,base}_{siamese,post,mixln,residual,sandwich,deepnorm,layerscale,dyt,hc,mhc,attnres,
                             attnres_block}_patch16_224
     deit_{tiny,small,base}_{same topologies}_distilled_patch16_224      (DeiT's distillation token and head)
+    deit3_{small,base}_{same topologies but layerscale}_patch16_224      (DeiT III's LayerScale models)
 
-Pre-Norm DeiT stays timm's own ``deit_*_patch16_224`` / ``deit_*_distilled_patch16_224``; ``topology="pre"`` here
-builds the same network with the same state-dict keys.
+Pre-Norm DeiT stays timm's own ``deit_*_patch16_224`` / ``deit_*_distilled_patch16_224`` / ``deit3_*_patch16_224``;
+``topology="pre"`` here builds the same network with the same state-dict keys.
 """
 
 from __future__ import annotations
@@ -336,8 +337,15 @@ _SIZES = {
 MODEL_TOPOLOGIES = topology_names("deit")
 _TOPOLOGIES = tuple(t for t in MODEL_TOPOLOGIES if t != "pre")  # Pre-Norm DeiT is timm's own deit_*_patch16_224
 
+# DeiT III's models (timm's deit3_*): LayerScale in both sublayers, a position embedding of the patches alone (the
+# class token joins after it). Every topology but `layerscale`, which each of them already is.
+_DEIT3 = dict(no_embed_class=True, init_values=1e-6)
+_DEIT3_SIZES = ("small", "base")
+_DEIT3_TOPOLOGIES = tuple(t for t in _TOPOLOGIES if t != "layerscale")
+
 MODEL_NAMES = tuple(f"deit_{size}_{topology}{distilled}_patch16_224" for distilled in ("", "_distilled")
-                    for size in _SIZES for topology in _TOPOLOGIES)
+                    for size in _SIZES for topology in _TOPOLOGIES) + tuple(
+    f"deit3_{size}_{topology}_patch16_224" for size in _DEIT3_SIZES for topology in _DEIT3_TOPOLOGIES)
 default_cfgs = generate_default_cfgs({name: _cfg(classifier=("head", "head_dist") if "_distilled" in name else "head")
                                       for name in MODEL_NAMES})
 
@@ -357,17 +365,20 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> SiameseNormVisi
 _REGISTERED: Dict[str, Dict] = {}  # name -> its size's and topology's constructor arguments
 
 
-def _register(size: str, topology: str, distilled: str):
-    name = f"deit_{size}_{topology}{distilled}_patch16_224"
-    _REGISTERED[name] = {**_SIZES[size], "topology": topology}
+def _register(size: str, topology: str, distilled: str, family: str = "deit"):
+    name = f"{family}_{size}_{topology}{distilled}_patch16_224"
+    arguments = {**_SIZES[size], **(_DEIT3 if family == "deit3" else {}), "topology": topology}
+    _REGISTERED[name] = arguments
 
     def factory(pretrained: bool = False, **kwargs) -> SiameseNormVisionTransformer:
-        return _create(name, pretrained, **{**_SIZES[size], "topology": topology, **kwargs})
+        return _create(name, pretrained, **{**arguments, **kwargs})
 
     factory.__name__ = name
     factory.__qualname__ = name
-    factory.__doc__ = (f"DeiT-{size} ({_SIZES[size]['embed_dim']} wide) with {topology} residual topology, 224px, "
-                       f"patch 16{', distillation token and head' if distilled else ''}.")
+    factory.__doc__ = (f"{'DeiT III' if family == 'deit3' else 'DeiT'}-{size} ({_SIZES[size]['embed_dim']} wide) with "
+                       f"{topology} residual topology, 224px, patch 16"
+                       f"{', distillation token and head' if distilled else ''}"
+                       f"{', LayerScale (init 1e-6) in both sublayers' if family == 'deit3' else ''}.")
     factory.__module__ = __name__
     globals()[name] = register_model(factory)
 
@@ -376,6 +387,9 @@ for _distilled in ("", "_distilled"):
     for _size in _SIZES:
         for _topo in _TOPOLOGIES:
             _register(_size, _topo, _distilled)
+for _size in _DEIT3_SIZES:
+    for _topo in _DEIT3_TOPOLOGIES:
+        _register(_size, _topo, "", family="deit3")
 
 
 # ------------------------------------------------------------------- building the model a config names

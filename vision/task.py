@@ -2,9 +2,10 @@
 
 The recipe is DeiT's: AdamW with the linear scaling rule ``lr = base_lr * batch_size / lr_base_batch``, a cosine
 schedule stepped every optimizer step (DeiT stepped it per epoch) after a linear warmup, mixup/cutmix with label
-smoothing, repeated augmentation, drop path, an optional EMA. Evaluation (Top-1/Top-5/loss on the val split,
-raw and EMA weights) runs every ``train.eval_every`` epochs and after the last step; the final metrics are those of
-the final epoch, never the best one.
+smoothing, repeated augmentation, drop path, an optional EMA; or DeiT III's (``configs/deit3_recipe.yaml``): LAMB at
+an unscaled lr, BCE on binarised mixed targets, 3-Augment, the same drop path at every block. Evaluation
+(Top-1/Top-5/loss on the val split, raw and EMA weights) runs every ``train.eval_every`` epochs and after the last
+step; the final metrics are those of the final epoch, never the best one.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import math
 from typing import Optional
 
 import torch
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 
 from common import trainer
@@ -28,12 +29,27 @@ REPORTED_METRIC, REPORTED_WEIGHTS = "val/top1", "model"
 
 
 def build_criterion(augment: AugmentConfig) -> torch.nn.Module:
-    """Soft-target CE after mixup (smoothing is inside the soft targets), else (label-smoothed) CE."""
+    """DeiT III's BCE (``augment.bce_loss``): every class whose (mixed) target is above 0 is a positive, timm's
+    ``BinaryCrossEntropy`` at threshold 0 as DeiT III's ``targets.gt(0.0)``; else soft-target CE after mixup
+    (smoothing is inside the soft targets), else (label-smoothed) CE."""
+    if augment.bce_loss:  # label smoothing is refused with it (vision.config): it would make every class positive
+        return BinaryCrossEntropy(smoothing=0.0, target_threshold=0.0)
     if augment.mixup > 0 or augment.cutmix > 0:
         return SoftTargetCrossEntropy()
     if augment.label_smoothing > 0:
         return LabelSmoothingCrossEntropy(smoothing=augment.label_smoothing)
     return torch.nn.CrossEntropyLoss()
+
+
+def uniform_drop_path(model: torch.nn.Module, rate: float) -> None:
+    """DeiT III's stochastic depth: ``rate`` at every block (timm's ViT rises linearly from 0 at the first block).
+    Replaces each block's drop-path modules (ours ``drop_path``, timm's ``drop_path1``/``drop_path2``)."""
+    from timm.layers import DropPath
+
+    for block in model.blocks:
+        for name, _ in list(block.named_children()):
+            if name.startswith("drop_path"):
+                setattr(block, name, DropPath(rate) if rate > 0 else torch.nn.Identity())
 
 
 def finetune_changes(model: torch.nn.Module, shapes: dict, reset) -> str:
@@ -110,6 +126,8 @@ class DeiTTask(trainer.Task):
 
     def build_model(self) -> torch.nn.Module:
         model = build_model(self.cfg.model, self.cfg.data)
+        if self.cfg.model.drop_path_schedule == "uniform":
+            uniform_drop_path(model, self.cfg.model.drop_path)
         if self.cfg.train.finetune:  # a resumed run then loads its own checkpoint over these weights
             from common.checkpoint import weight_shapes
             from vision.deit import load_finetune
