@@ -70,7 +70,8 @@ def test_vision_export_names_its_own_flag_for_a_run_without_an_ema_and_an_offlin
     assert line.startswith("error: --push-to-hub someone/deit: OfflineModeIsEnabled: ") and line.endswith(
         f"(the folder {tmp_path / 'hub'} is written; upload it later with `hf upload someone/deit {tmp_path / 'hub'}`)")
     assert {p.name for p in (tmp_path / "hub").iterdir()} == {"config.json", "model.safetensors", "README.md"}
-    assert 'timm.create_model("hf-hub:someone/deit", pretrained=True)' in (tmp_path / "hub" / "README.md").read_text()
+    card = (tmp_path / "hub" / "README.md").read_text()  # the model card: timm knows the model after `import vision`
+    assert "import timm, vision" in card and 'timm.create_model("hf-hub:someone/deit", pretrained=True)' in card
 
 
 @pytest.mark.fashion_mnist
