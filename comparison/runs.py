@@ -143,7 +143,8 @@ def train_deit(spec: RunSpec, run_dir: Path, opts) -> dict:
         size = opts.image_size
         overrides += ["data.dataset=imagefolder", "data.mean=[0.485, 0.456, 0.406]", "data.std=[0.229, 0.224, 0.225]",
                       f"model.kwargs.patch_size={max(1, size // 4)}"] + _imagefolder_overrides(opts.data, size)
-    cfg = load_config(TrainConfig, ROOT / "configs" / "fmnist_deit.yaml", overrides + variant_set + list(opts.set))
+    recipe = ROOT / "configs" / (getattr(opts, "config", None) or "fmnist_deit.yaml")  # a study's own, e.g. DeiT III's
+    cfg = load_config(TrainConfig, recipe, overrides + variant_set + list(opts.set))
     final, unfinished = run_trainer(train, cfg)
     if unfinished:
         return unfinished
@@ -227,8 +228,9 @@ def check_run_settings(run_dir: Path, opts, spec: Optional[RunSpec] = None) -> d
     """The settings that define a run's result; an error if ``run_dir`` was made with others."""
     settings = {k: getattr(opts, k) for k in RUN_OPTIONS}
     settings["set"] = [o for o in opts.set if not o.startswith(RUN_CONTROL_OVERRIDES)]
-    if getattr(opts, "fid_every", None):  # recorded only when used, so runs made before it existed still match
-        settings["fid_every"] = opts.fid_every
+    for key in ("fid_every", "config"):  # recorded only when used, so runs made before they existed still match
+        if getattr(opts, key, None):
+            settings[key] = getattr(opts, key)
     if spec is not None and spec.objective != DEFAULT_OBJECTIVE:
         settings["objective"] = {"name": spec.objective, **objective_settings(spec, opts)}
     if spec is not None and spec.topology in (getattr(opts, "variants", None) or {}):

@@ -6,7 +6,8 @@
     python -m scripts.compare --task dit --quick --feature-weights ~/.cache/siamesenorm/fmnist_cnn.safetensors
 
 Every run trains through the real trainer (``vision.train.train`` / ``diffusion.train.train``, starting from
-``configs/fmnist_deit.yaml`` / ``configs/fmnist_dit.yaml``) in ``OUT/runs/<topology>_d<depth>_lr<lr>_s<seed>``,
+``configs/fmnist_deit.yaml`` / ``configs/fmnist_dit.yaml``, or a study's ``config:``, e.g. ``fmnist_deit3.yaml``) in
+``OUT/runs/<topology>_d<depth>_lr<lr>_s<seed>``,
 is evaluated by the real evaluator (Top-1 of ``vision.evaluate`` on the held-out split; for DiT, samples from
 ``diffusion.sample`` scored by ``diffusion.fid`` with the Fashion-MNIST classifier features), and is diagnosed with
 ``common.diagnostics`` (``comparison.diagnose``). A finished run leaves ``result.json`` and is not redone; an unfinished one continues
@@ -94,7 +95,7 @@ def parse_args(argv=None):
             raise ValueError
     except ValueError:
         p.error(f"--shard {args.shard}: expected K/N with 0 <= K < N, e.g. 0/2")
-    args.grids, args.objectives, args.fid_every, args.reproduces, args.variants = None, None, None, None, None
+    args.grids, args.objectives, args.fid_every, args.reproduces, args.variants, args.config = (None,) * 6
     if args.study:
         study = dict(STUDIES[args.study])
         given = [k for k in study if k != "grids" and getattr(args, k, None) not in (None, False, [])]

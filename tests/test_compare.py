@@ -369,6 +369,29 @@ def test_routing_studies_train_variants_and_reuse_two_studies(tmp_path):
     assert reused_runs(deit.reuse[1], checks, deit)[0] is None
 
 
+def test_the_deit3_study_trains_every_run_on_its_own_recipe(tmp_path, monkeypatch):
+    """deit3_depth's ``config:`` is the recipe of its runs (DeiT III's on the micro-DeiT), recorded with each run so that
+    a run made from another recipe is not reused; the study's topology, depth, lr and seed still come on top."""
+    import vision.train
+    from comparison.runs import check_run_settings, train_deit
+    from scripts.compare import parse_args, run_specs
+
+    opts = parse_args(["--study", "deit3_depth", "--out", str(tmp_path)])
+    specs = run_specs(opts)
+    assert len(specs) == 6 * 2 * 2 + 3 and (opts.config, opts.lrs, opts.epochs) == ("fmnist_deit3.yaml", [4e-3], 3)
+    assert [s.name for s in specs[:5]] == ["pre_d12_lr0.004_s0", "siamese_d12_lr0.004_s0", "pre_d24_lr0.004_s0",
+                                           "siamese_d24_lr0.004_s0", "post_d24_lr0.004_s0"]
+    assert check_run_settings(tmp_path / specs[1].name, opts, specs[1])["config"] == "fmnist_deit3.yaml"
+    assert "config" not in check_run_settings(tmp_path / "x", parse_args(["--study", "deit_depth"]))  # as before
+    trained = []
+    monkeypatch.setattr(vision.train, "train", lambda cfg: trained.append(cfg) or {"stopped_at": 1})
+    train_deit(specs[3], tmp_path / specs[3].name, opts)
+    cfg = trained[0]
+    assert (cfg.model.name, cfg.model.kwargs["depth"], cfg.model.kwargs["init_values"], cfg.optim.lr,
+            cfg.optim.optimizer, cfg.augment.bce_loss, cfg.augment.three_augment, cfg.train.seed) == \
+           ("deit_tiny_siamese_patch16_224", 24, 1e-4, 4e-3, "lamb", True, True, 0)
+
+
 def test_verdicts_against_each_baseline_with_their_95_intervals():
     from comparison.report import add_reused, summarize, verdicts
 
