@@ -22,19 +22,21 @@ FLOW=$STUDIES/dit_flow  # dit_hc_attnres shares dit_flow's --out: their DDPM run
 
 # study -> its commit, its --out, its extra arguments, the runs it carries (a regex on the run folder's name)
 declare -A REV_OF=([deit_hc_attnres]=737261e [dit_flow]=737261e [dit_hc_attnres]=737261e
-                   [deit_attnres]=8172519 [dit_routing]=8172519)
+                   [deit_attnres]=8172519 [dit_routing]=8172519 [deit3_depth]=e9394d6)
 declare -A OUT=([deit_hc_attnres]=$STUDIES/deit_hc_attnres [dit_flow]=$FLOW [dit_hc_attnres]=$FLOW
-                [deit_attnres]=$STUDIES/deit_attnres [dit_routing]=$STUDIES/dit_routing)
+                [deit_attnres]=$STUDIES/deit_attnres [dit_routing]=$STUDIES/dit_routing
+                [deit3_depth]=$STUDIES/deit3_depth)
 declare -A ARGS=(
   [deit_hc_attnres]=""
   [dit_flow]="--feature-weights $FLOW/fmnist_cnn.safetensors --encoder-weights $FLOW/encoder/model.safetensors"
   [dit_hc_attnres]="--feature-weights $FLOW/fmnist_cnn.safetensors"
   [deit_attnres]=""
-  [dit_routing]="--feature-weights $FLOW/fmnist_cnn.safetensors")
+  [dit_routing]="--feature-weights $FLOW/fmnist_cnn.safetensors"
+  [deit3_depth]="")
 declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_'
-                [deit_attnres]='.' [dit_routing]='.')
-ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing)
+                [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.')
+ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth)
 FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres "  # every run done and carried: restored and reported, not started
 
 code_of() {  # the study's code snapshot
@@ -57,6 +59,14 @@ alive() {  # the process still runs scripts.compare (an ended one, zombie or gon
 
 group_of() {  # a process's group: the study's processes, its runs' workers included
   ps -o pgid= -p "$1" | tr -d ' '
+}
+
+end_group() {  # SIGKILL a study process's group; return once the process is gone (up to 10 s), so status is true
+  kill -9 -- "-$2" 2> /dev/null || true
+  for _ in $(seq 100); do
+    alive "$1" || return 0
+    sleep 0.1
+  done
 }
 
 restore() {
@@ -165,14 +175,14 @@ stop() {
       else
         continue
       fi
-      kill -9 -- "-${pgid[$pid]}" 2> /dev/null || true
+      end_group "$pid" "${pgid[$pid]}"
       unset "seen[$pid]"
     done
     [ ${#seen[@]} -eq 0 ] && break
     sleep 5
   done
   for pid in "${!seen[@]}"; do
-    kill -9 -- "-${pgid[$pid]}" 2> /dev/null || true
+    end_group "$pid" "${pgid[$pid]}"
     echo "${study[$pid]}: no checkpoint line within 10 minutes; ended (it resumes from its last checkpoint)"
   done
   carry
@@ -198,7 +208,7 @@ drain() {
       if ! alive "$pid"; then
         echo "${study[$pid]}: its process ended"
       elif [ -n "${run[$pid]}" ] && [ -f "${run[$pid]}/result.json" ]; then
-        kill -9 -- "-${pgid[$pid]}" 2> /dev/null || true
+        end_group "$pid" "${pgid[$pid]}"
         echo "${study[$pid]}: $(basename "${run[$pid]}") finished; ended before the next run"
       else
         continue
