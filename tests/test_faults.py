@@ -146,7 +146,7 @@ def test_deit_input_errors_before_any_work(tmp_path, capsys, overrides, message)
     (["diffusion.beta_end=2"], "diffusion.beta_end=2 must lie in (0, 1)"),
     (["data.image_size=0"], "data.image_size=0 must be >= 8"),
     (["train.sample_steps=1001"], "train.sample_steps=1001 exceeds diffusion.num_timesteps=1000"),
-    (["model.topology=sandwich"], "unknown residual topology 'sandwich'"),
+    (["model.topology=sandwich"], "the sandwich topology is not offered for DiT"),
     (["data.path=/data/my #1 run"], "/data/my #1 run"),  # not cut at the ` #` as a YAML comment
     (["optim.lr=.inf"], "optim.lr=inf must be a finite number"),
     (["train.fid_every=2", "train.fid_extractor_weights=/no/such.safetensors"],
