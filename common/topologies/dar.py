@@ -26,6 +26,7 @@ from torch import nn
 
 from common.cli import InputError
 from common.topologies.base import LN_EPS, NormLayer, ResidualBlock, StreamFusion, StreamStart, default_norm
+from common.topologies.depth_routing import mix_sources
 from common.topologies.registry import BlockSpec, Topology, register
 from common.topologies.siamese import SiameseFusion, SiameseNormBlock
 
@@ -51,16 +52,15 @@ class DepthRouter(nn.Module):
             self.query = nn.Parameter(torch.zeros(dim))
 
     def forward(self, sources: List[Tensor], time_query: Optional[Tensor]) -> Tensor:
-        if self.dynamic:
-            q = F.linear(sources[-1], self.query_weight)  # (B, T, D) from the newest output
-        else:
-            q = self.query if time_query is None else self.query + time_query.unsqueeze(1)  # (D,) or (B, 1, D)
-        logits = [(v * q).sum(-1) * torch.rsqrt(v.pow(2).mean(dim=-1) + self.eps) for v in sources]
-        weights = torch.softmax(torch.stack(logits) * self.scale, dim=0).unsqueeze(-1)
-        h = weights[0] * sources[0]
-        for i in range(1, len(sources)):
-            h = h + weights[i] * sources[i]
-        return h
+        if self.dynamic:  # (B, T, D) from the newest output
+            q = F.linear(sources[-1], self.query_weight)
+            dots = [(v * q).sum(-1) for v in sources]
+        elif time_query is None:  # (D,)
+            dots = [v @ self.query for v in sources]
+        else:  # (B, 1, D): one query per sample
+            q = (self.query + time_query).unsqueeze(-1)
+            dots = [(v @ q).squeeze(-1) for v in sources]
+        return mix_sources(sources, dots, self.eps, self.scale)
 
     def extra_repr(self) -> str:
         return f"dynamic={self.dynamic}"

@@ -36,13 +36,23 @@ class DepthAttention(nn.Module):
         self.key_weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, sources: List[Tensor]) -> Tensor:
-        query = self.query * self.key_weight
-        logits = [(v @ query) * torch.rsqrt(v.pow(2).mean(dim=-1) + self.eps) for v in sources]
-        weights = torch.softmax(torch.stack(logits), dim=0).unsqueeze(-1)
-        h = weights[0] * sources[0]
-        for i in range(1, len(sources)):
-            h = h + weights[i] * sources[i]
-        return h
+        return mix_sources(sources, [v @ (self.query * self.key_weight) for v in sources], self.eps)
+
+
+def inverse_rms(v: Tensor, eps: float) -> Tensor:
+    """``1 / rms(v)`` over the last dimension, in one pass over ``v`` (no squared copy of it is written)."""
+    return torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / v.shape[-1] + eps)
+
+
+def mix_sources(sources: List[Tensor], dots: List[Tensor], eps: float, scale: float = 1.0) -> Tensor:
+    """``sum_i softmax_i(scale * dot_i / rms(v_i)) v_i``, with ``dot_i = v_i . q`` per token: the routing of depth
+    attention and DAR, one pass over each source for its norm and one for its share of the sum."""
+    logits = torch.stack([dot * inverse_rms(v, eps) for v, dot in zip(sources, dots)])
+    weights = torch.softmax(logits * scale if scale != 1.0 else logits, dim=0).unsqueeze(-1)
+    h = weights[0] * sources[0]
+    for i in range(1, len(sources)):
+        h = torch.addcmul(h, weights[i], sources[i])
+    return h
 
 
 class SoleSource(nn.Module):

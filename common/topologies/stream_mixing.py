@@ -64,11 +64,21 @@ class StreamConnection(nn.Module):
         """``(into the sublayer (..., n), among the streams (..., n, n), back from it (..., n))``."""
         raise NotImplementedError
 
+    def dynamic_logits(self, streams: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(RMSNorm(H) W_alpha, RMSNorm(H) w_beta)`` per stream, ``(..., n, 1+n)`` and ``(..., n)``, from one
+        product of the streams with both maps: the norm's per-stream scale goes onto the ``2 + n`` numbers that
+        product gives, so the normalised streams are never written out."""
+        weight = torch.cat([self.dynamic_alpha, self.dynamic_beta.unsqueeze(-1)], dim=-1)
+        mean_square = torch.linalg.vector_norm(streams, dim=-1, keepdim=True).square() / streams.shape[-1]
+        logits = (streams @ (self.norm.weight.unsqueeze(-1) * weight)) * torch.rsqrt(mean_square + self.norm.eps)
+        return logits[..., :-1], logits[..., -1]
+
     def forward(self, streams: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """``(sublayer input (B, T, D), mixed streams (B, T, n, D), beta (..., n))`` of ``streams (B, T, n, D)``."""
+        """``(sublayer input (B, T, D), mixed streams (B, T, n, D), beta (..., n))`` of ``streams (B, T, n, D)``:
+        the sublayer input and the mixed streams are one product of the streams with ``[into | among]``."""
         into, among, beta = self.coefficients(streams)
-        h = (into.unsqueeze(-1) * streams).sum(dim=-2)
-        return h, among.transpose(-1, -2) @ streams, beta
+        mixed = torch.cat([into.unsqueeze(-1), among], dim=-1).transpose(-1, -2) @ streams  # (..., 1+n, D)
+        return mixed[..., 0, :], mixed[..., 1:, :], beta
 
     def extra_repr(self) -> str:
         return f"streams={self.streams}, dynamic={self.dynamic}"
@@ -87,9 +97,9 @@ class HyperConnection(StreamConnection):
     def coefficients(self, streams: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         alpha, beta = self.static_alpha, self.static_beta
         if self.dynamic:
-            normed = self.norm(streams)
-            alpha = alpha + self.alpha_scale * torch.tanh(normed @ self.dynamic_alpha)
-            beta = beta + self.beta_scale * torch.tanh(normed @ self.dynamic_beta)
+            alpha_logits, beta_logits = self.dynamic_logits(streams)
+            alpha = alpha + self.alpha_scale * torch.tanh(alpha_logits)
+            beta = beta + self.beta_scale * torch.tanh(beta_logits)
         return alpha[..., 0], alpha[..., 1:], beta
 
 
@@ -110,10 +120,10 @@ class ManifoldHyperConnection(StreamConnection):
     def coefficients(self, streams: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         alpha, beta = self.static_alpha, self.static_beta
         if self.dynamic:
-            normed = self.norm(streams).float()
+            alpha_logits, beta_logits = self.dynamic_logits(streams.float())
             scale = torch.cat([self.pre_scale, self.residual_scale.expand(self.streams)])
-            alpha = alpha + (normed @ self.dynamic_alpha) * scale
-            beta = beta + self.beta_scale * (normed @ self.dynamic_beta)
+            alpha = alpha + alpha_logits * scale
+            beta = beta + self.beta_scale * beta_logits
         into, among = torch.sigmoid(alpha[..., 0]), sinkhorn_knopp(alpha[..., 1:], self.sinkhorn_iters)
         return into.to(streams.dtype), among.to(streams.dtype), (2.0 * torch.sigmoid(beta)).to(streams.dtype)
 
@@ -142,9 +152,9 @@ class StreamMixingBlock(ResidualBlock):
 
     def forward(self, streams: Tensor, ctx: Optional[Tensor] = None) -> Tensor:
         h, streams, beta = self.hc1(streams)
-        streams = streams + beta.unsqueeze(-1) * self.drop_path(self.sublayer1(self.norm1(h), ctx)).unsqueeze(-2)
+        streams = torch.addcmul(streams, beta.unsqueeze(-1), self.drop_path(self.sublayer1(self.norm1(h), ctx)).unsqueeze(-2))
         h, streams, beta = self.hc2(streams)
-        return streams + beta.unsqueeze(-1) * self.drop_path(self.sublayer2(self.norm2(h), ctx)).unsqueeze(-2)
+        return torch.addcmul(streams, beta.unsqueeze(-1), self.drop_path(self.sublayer2(self.norm2(h), ctx)).unsqueeze(-2))
 
 
 class HyperConnectionBlock(StreamMixingBlock):
