@@ -200,10 +200,6 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
 
 # ----------------------------------------------------------------------------- validation
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
 def _coerce(value: Any, tp, where: str, construct: bool = True) -> Any:
     """Check ``value`` against annotation ``tp``; return it (converted where lossless). ``construct=False`` checks a
     section's keys, types and ranges without building it (see :func:`_build`)."""

@@ -252,7 +252,7 @@ class LogWindow:
 
 
 def task_feed(task: Task, sampler: ResumableSampler, batch_size: int, num_workers, device,
-              stop_signals: Sequence[str] = ("SIGTERM", "SIGUSR1")) -> Iterable:
+              stop_signals: Sequence[str] = STOP_SIGNALS) -> Iterable:
     """The task's own feed, or the standard one: per-sample seeded items from persistent workers (which ignore the
     stop signals: the loop stops at a step boundary), moved to the device one batch ahead and finished there by
     the task's :attr:`Task.batch_transform`."""

@@ -82,7 +82,6 @@ def add_reused(summary: Dict[tuple, dict], reused: Dict[tuple, Dict[int, float]]
 def verdicts(summary: Dict[tuple, dict], baselines: Sequence[str], higher: bool) -> List[str]:
     """Every other topology against each baseline, per depth and lr: the mean paired difference (same seed), its 95%
     Student-t interval, and the verdict: better or worse when the interval excludes 0, else within noise."""
-    sign = 1.0 if higher else -1.0
     lines = []
     for topo in sorted({t for _, _, t in summary} - set(baselines)):
         for base in baselines:
@@ -91,11 +90,20 @@ def verdicts(summary: Dict[tuple, dict], baselines: Sequence[str], higher: bool)
                     lines.append(f"{topo} - {base}, depth {depth}, lr {lr:g}: {mean:+.2f} (one seed) -> untested")
                     continue
                 half = _t95(n - 1) * std / math.sqrt(n)
-                gain = sign * mean
-                verdict = "better" if gain > half else "worse" if gain < -half else "within noise"
+                verdict = interval_verdict(mean, half, higher, BETTER)
                 lines.append(f"{topo} - {base}, depth {depth}, lr {lr:g}: {mean:+.2f}, 95% interval "
                              f"[{mean - half:+.2f}, {mean + half:+.2f}] over {n} seeds -> **{verdict}**")
     return lines
+
+
+BETTER, SUPPORTED = ("better", "worse"), ("supported", "contradicted")  # a comparison's words, a claim's words
+
+
+def interval_verdict(mean: float, half: float, higher: bool, words=SUPPORTED) -> str:
+    """The one rule of every verdict: the 95% interval ``mean +- half`` of a difference lies on the better side of 0
+    (``words[0]``), on the worse side (``words[1]``), or holds 0 (within noise); ``higher``: larger is better."""
+    gain = mean if higher else -mean
+    return words[0] if gain > half else words[1] if gain < -half else "within noise"
 
 
 def _t95(df: int) -> float:
@@ -121,7 +129,7 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
             return f"{gain:+.2f} (one seed: no noise estimate)", "untested"
         half = _t95(n - 1) * std / math.sqrt(n)
         text = f"{gain:+.2f}, 95% interval ±{half:.2f} over {n} seeds"
-        return text, "supported" if gain > half else "contradicted" if gain < -half else "within noise"
+        return text, interval_verdict(mean, half, higher)
 
     main_claim = "accuracy up (Top-1)" if higher else "FID down"
     other_claim = "FID down" if higher else "accuracy up (Top-1)"
@@ -169,7 +177,7 @@ def claim_checks(summary: Dict[tuple, dict], task: str) -> List[str]:
                     parts.append(f"lr {lr:g}: {gain:+.2f} (one seed: no noise estimate) -> untested")
                     continue
                 half = _t95(n - 1) * math.sqrt((deep[1] ** 2 / deep[2]) + (shallow[1] ** 2 / shallow[2]))
-                verdict = "supported" if gain > half else "contradicted" if gain < -half else "within noise"
+                verdict = interval_verdict(deep[0] - shallow[0], half, higher)
                 parts.append(f"lr {lr:g}: margin at depth {depths[-1]} minus margin at depth {depths[0]} = "
                              f"{gain:+.2f}, 95% interval ±{half:.2f} -> {verdict}")
         lines.append("**larger margin when deeper** (rule: the 95% interval of deeper margin minus shallower margin "
@@ -382,9 +390,7 @@ def _verdict(diffs: Sequence[float], higher: bool) -> str:
     if len(diffs) < 2:
         return f"{statistics.fmean(diffs):+.2f} (one seed: no noise estimate) -> untested" if diffs else "untested"
     mean, half = mean_interval(diffs)
-    gain = mean if higher else -mean
-    verdict = "supported" if gain > half else "contradicted" if gain < -half else "within noise"
-    return f"{mean:+.2f}, 95% interval ±{half:.2f} over {len(diffs)} seeds -> {verdict}"
+    return f"{mean:+.2f}, 95% interval ±{half:.2f} over {len(diffs)} seeds -> {interval_verdict(mean, half, higher)}"
 
 
 def _paired(by_seed: Dict[int, float], base: Dict[int, float]) -> List[float]:

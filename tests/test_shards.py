@@ -130,6 +130,7 @@ def test_conversion_resumes_without_touching_finished_shards_and_refuses_other_s
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["shards"] == reference["shards"]  # byte-identical tars: the same sha256 as an uninterrupted run
     assert f"-> 3 tars of 5 in {out}; 1 written already" in capsys.readouterr().out
+    assert "is inside --data-path" in refusal(shard.main, ["--data-path", src, "--out", src / "wds"], capsys)
     line = refusal(shard.main, ["--data-path", src, "--out", out, "--shard-size", "4"], capsys)
     assert "written from another folder or with other settings (shard_size: 5 then, 4 now)" in line
     assert "choose a new --out" in line

@@ -370,6 +370,11 @@ def main(argv=None) -> dict:
         if args.index is not None:
             return index_tars(Path(args.index), Path(args.classes))
         images = source_images(args.data_path)
+        if Path(args.out).resolve().is_relative_to(Path(args.data_path).resolve()):
+            from common.image_sets import ShardError
+
+            raise ShardError(f"--out {args.out} is inside --data-path {args.data_path}, where it would become a class "
+                             "folder of the next listing; choose an --out outside it")
         convert = convert_wds if args.format == "wds" else convert_hf
         return convert(images, Path(args.out), args.shard_size)
 
