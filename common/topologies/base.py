@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.fx
 from torch import nn
 
 Tensor = torch.Tensor
@@ -117,6 +118,16 @@ def single_stream_output(dim: int, norm_layer: NormLayer, final_norm: bool, last
     """The module between a single-stream model's last block and its head: the usual final norm (key
     ``norm.weight``, as timm) when ``final_norm``, none after a block whose output is already normalised."""
     return norm_layer(dim) if final_norm and not last_block.normalizes_output else nn.Identity()
+
+
+def autograd_records() -> bool:
+    """Autograd records and ``torch.fx.symbolic_trace`` does not run (it cannot trace ``Function.apply``; dynamo and
+    export can): when the fused autograd nodes (the norm chain, the routing) run instead of their plain ops.
+    torch 2.6 lacks ``is_fx_symbolic_tracing``; the fallback computes it as later releases define it."""
+    fx = torch.fx._symbolic_trace
+    tracing = fx.is_fx_symbolic_tracing() if hasattr(fx, "is_fx_symbolic_tracing") else (
+        fx.is_fx_tracing() and not torch.compiler.is_compiling())
+    return torch.is_grad_enabled() and not tracing
 
 
 def readout(fusion: nn.Module, state: StreamState, norm: bool = True) -> Tensor:

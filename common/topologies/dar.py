@@ -26,7 +26,7 @@ from torch import nn
 
 from common.cli import InputError
 from common.topologies.base import LN_EPS, NormLayer, ResidualBlock, StreamFusion, StreamStart, default_norm
-from common.topologies.depth_routing import mix_sources
+from common.topologies.fused_routing import routed_mix
 from common.topologies.registry import BlockSpec, Topology, register
 from common.topologies.siamese import SiameseFusion, SiameseNormBlock
 
@@ -53,14 +53,12 @@ class DepthRouter(nn.Module):
 
     def forward(self, sources: List[Tensor], time_query: Optional[Tensor]) -> Tensor:
         if self.dynamic:  # (B, T, D) from the newest output
-            q = F.linear(sources[-1], self.query_weight)
-            dots = [(v * q).sum(-1) for v in sources]
+            query = F.linear(sources[-1], self.query_weight)
         elif time_query is None:  # (D,)
-            dots = [v @ self.query for v in sources]
+            query = self.query
         else:  # (B, 1, D): one query per sample
-            q = (self.query + time_query).unsqueeze(-1)
-            dots = [(v @ q).squeeze(-1) for v in sources]
-        return mix_sources(sources, dots, self.eps, self.scale)
+            query = (self.query + time_query).unsqueeze(1)
+        return routed_mix(sources, query, self.eps, self.scale)
 
     def extra_repr(self) -> str:
         return f"dynamic={self.dynamic}"

@@ -5,8 +5,6 @@ The state is the list of sources a sublayer attends over, first the embedding: e
 (Full AttnRes) or every earlier block sum (Block AttnRes). Each sublayer reads a softmax-weighted mix of the sources
 instead of one residual stream, and the head reads one more such mix.
 """
-from __future__ import annotations
-
 import math
 from typing import Any, Dict, List, Optional
 
@@ -14,7 +12,9 @@ import torch
 from torch import nn
 
 from common.cli import InputError
-from common.topologies.base import LN_EPS, NormLayer, ResidualBlock, StreamFusion, StreamStart, default_norm
+from common.topologies.base import (LN_EPS, NormLayer, ResidualBlock, StreamFusion, StreamStart, autograd_records,
+                                    default_norm)
+from common.topologies.fused_routing import RoutedMix, mix_sources
 from common.topologies.registry import BlockSpec, Topology, register
 
 Tensor = torch.Tensor
@@ -36,23 +36,18 @@ class DepthAttention(nn.Module):
         self.key_weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, sources: List[Tensor]) -> Tensor:
-        return mix_sources(sources, [v @ (self.query * self.key_weight) for v in sources], self.eps)
+        query = self.query * self.key_weight
+        if torch.jit.is_scripting():  # TorchScript compiles no autograd.Function: the plain ops
+            return mix_sources(sources, [v @ query for v in sources], self.eps)
+        return self.routed(sources, query)
 
-
-def inverse_rms(v: Tensor, eps: float) -> Tensor:
-    """``1 / rms(v)`` over the last dimension, in one pass over ``v`` (no squared copy of it is written)."""
-    return torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / v.shape[-1] + eps)
-
-
-def mix_sources(sources: List[Tensor], dots: List[Tensor], eps: float, scale: float = 1.0) -> Tensor:
-    """``sum_i softmax_i(scale * dot_i / rms(v_i)) v_i``, with ``dot_i = v_i . q`` per token: the routing of depth
-    attention and DAR, one pass over each source for its norm and one for its share of the sum."""
-    logits = torch.stack([dot * inverse_rms(v, eps) for v, dot in zip(sources, dots)])
-    weights = torch.softmax(logits * scale if scale != 1.0 else logits, dim=0).unsqueeze(-1)
-    h = weights[0] * sources[0]
-    for i in range(1, len(sources)):
-        h = torch.addcmul(h, weights[i], sources[i])
-    return h
+    @torch.jit.unused
+    def routed(self, sources: List[Tensor], query: Tensor) -> Tensor:
+        """The fused routing under autograd; the plain ops without it and while FX traces (no branch on a traced
+        value: the query is a vector)."""
+        if autograd_records():
+            return RoutedMix.apply(query, self.eps, 1.0, *sources)
+        return mix_sources(sources, [v @ query for v in sources], self.eps)
 
 
 class SoleSource(nn.Module):

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.fx
 from torch import nn
+
+from common.topologies.base import autograd_records
 
 Tensor = torch.Tensor
 
@@ -71,20 +72,6 @@ def _layer_norm_args(norm: nn.Module) -> Tuple[Optional[Tensor], Optional[Tensor
     return norm.weight, norm.bias, norm.eps
 
 
-def _fx_symbolic_tracing() -> bool:
-    """True while ``torch.fx.symbolic_trace`` runs, which cannot trace ``Function.apply`` (dynamo and export can).
-    torch 2.6 lacks ``is_fx_symbolic_tracing``; the fallback computes it as later releases define it."""
-    fx = torch.fx._symbolic_trace
-    if hasattr(fx, "is_fx_symbolic_tracing"):
-        return fx.is_fx_symbolic_tracing()
-    return fx.is_fx_tracing() and not torch.compiler.is_compiling()
-
-
-def _autograd_records() -> bool:
-    """Autograd records and FX does not trace: when :class:`SiameseNormChain` can run."""
-    return torch.is_grad_enabled() and not _fx_symbolic_tracing()
-
-
 def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, inp: nn.Module,
                        recompute: bool = False) -> Tuple[Tensor, Tensor]:
     """SiameseNorm's norm chain in front of a sublayer: ``X' = LN_post(X)`` and the input ``LN_in(X' + LN_pre(Y))``.
@@ -92,7 +79,7 @@ def siamese_norm_chain(x: Tensor, y: Tensor, post: nn.Module, pre: nn.Module, in
     ``recompute`` runs it as :class:`SiameseNormChain` when autograd records (not while FX traces), which keeps
     less for backward; otherwise the three norm modules run as they are.
     """
-    if recompute and _autograd_records():
+    if recompute and autograd_records():
         if y is x:  # the first block's streams are one tensor; dynamo traces Function.apply only on distinct inputs
             y = y.view_as(y)
         post_weight, post_bias, post_eps = _layer_norm_args(post)
