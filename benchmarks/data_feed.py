@@ -37,7 +37,8 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
-from benchmarks.harness import add_common_args, alternate, apply_common_args
+from benchmarks.harness import (add_common_args, alternate, apply_common_args, conditions, default_max_load,
+                                describe_conditions, load_note)
 from benchmarks.synthetic import write_jpegs, write_latents
 from common.image_sets import FORMATS
 
@@ -45,13 +46,15 @@ RECIPE = Path(__file__).resolve().parent.parent / "configs" / "deit_recipe.yaml"
 
 
 def side_by_side(name: str, unit: str, paths: dict, size: int, rounds: int, batch_size: int,
-                 cpu_time: bool = False) -> dict:
+                 cpu_time: bool = False, max_load: float | None = None) -> dict:
     """Time the paths (name -> (dataset, collate function)) batch by batch in alternation over the same keys
     (fetch every item, then collate: what a worker does per batch), inside a DataLoader worker process (one
     thread, the worker's seeding); print each round; return the median rates and the medians of the per-round
     ratios of each path to the first. ``cpu_time``: rates per second of the worker's CPU time, not of the wall clock
-    (a busy machine's waits left out)."""
-    task = _InWorker(lambda: _alternate(name, unit, paths, size, rounds, batch_size, cpu_time))
+    (a busy machine's waits left out). Each round's load is printed, LOADED above ``max_load`` (default: the core
+    count), and the conditions returned."""
+    max_load = default_max_load() if max_load is None else max_load
+    task = _InWorker(lambda: _alternate(name, unit, paths, size, rounds, batch_size, cpu_time, max_load))
     return next(iter(torch.utils.data.DataLoader(task, batch_size=None, num_workers=1)))
 
 
@@ -68,7 +71,7 @@ class _InWorker(torch.utils.data.Dataset):
         return self.fn()
 
 
-def _alternate(name, unit, paths, size, rounds, batch_size, cpu_time=False) -> dict:
+def _alternate(name, unit, paths, size, rounds, batch_size, cpu_time, max_load) -> dict:
     from common.data import sample_seed
 
     per_round = size // batch_size
@@ -90,12 +93,14 @@ def _alternate(name, unit, paths, size, rounds, batch_size, cpu_time=False) -> d
             rates[p].append(per_round * batch_size / spent)
         line = "  ".join(f"{p} {rates[p][-1]:7.1f}" for p in paths)
         ratios = ", ".join(f"{p}/{names[0]} {rates[p][-1] / rates[names[0]][-1]:.2f}x" for p in names[1:])
-        print(f"  {name} round {len(rates[names[0]])}/{rounds}: {line} {unit}" + (f"  ({ratios})" if ratios else ""),
-              flush=True)
+        load = (runs.loads[-per_round][0], runs.loads[-1][1])
+        print(f"  {name} round {len(rates[names[0]])}/{rounds}: {line} {unit}" + (f"  ({ratios})" if ratios else "")
+              + f"; {load_note(load, max_load)}", flush=True)
 
-    alternate({p: (lambda d=dataset, c=collate: c([d[k] for k in keys()])) for p, (dataset, collate) in paths.items()},
-              rounds * per_round, on_round=on_round)
-    out = {**{f"{p}_per_s": statistics.median(v) for p, v in rates.items()}, "rounds": rates}
+    runs = alternate({p: (lambda d=dataset, c=collate: c([d[k] for k in keys()]))
+                      for p, (dataset, collate) in paths.items()}, rounds * per_round, on_round=on_round)
+    out = {**{f"{p}_per_s": statistics.median(v) for p, v in rates.items()}, "rounds": rates,
+           "conditions": conditions(runs, max_load, threads=1)}
     out["ratios"] = {p: statistics.median(b / a for a, b in zip(rates[names[0]], rates[p])) for p in names[1:]}
     if len(names) > 1:
         out["ratio"] = out["ratios"][names[1]]
@@ -270,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                                loader=load_rgb_tensor))
             results["deit"] = side_by_side("deit", "images/s", {"timm": (timm, default_collate),
                                                                 "ours": (ours, collate)},
-                                           args.images, args.rounds, args.batch_size)
+                                           args.images, args.rounds, args.batch_size, max_load=args.max_load)
             if args.breakdown:
                 files = [path for path, _ in ours.dataset.samples]
                 results["deit"]["breakdown"] = breakdown(files, data, augment)
@@ -278,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             feeds = format_feeds(root, args.formats, args.input_size, args.shard_size)
             print(f"ours from {', '.join(args.formats)} (tars and parts of {args.shard_size} images):", flush=True)
             results["formats"] = side_by_side("formats", "images/s" + " of CPU time" * args.cpu_time, feeds,
-                                              args.images, args.rounds, args.batch_size, args.cpu_time)
+                                              args.images, args.rounds, args.batch_size, args.cpu_time, args.max_load)
             results["formats"]["read_us"] = read_costs({fmt: feed.dataset.images for fmt, (feed, _) in feeds.items()})
         if args.latents:
             print(f"writing {args.latents} latents (4x32x32, float16, both views) ...", flush=True)
@@ -286,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print("DiT latent loader (DiffusionExamples over LatentImages), one thread:", flush=True)
             loader = SeededDataset(DiffusionExamples(LatentImages(str(root / "latents")), 1000, 0.1))
             results["dit"] = side_by_side("dit", "examples/s", {"ours": (loader, collate)}, args.latents, args.rounds,
-                                          args.batch_size)
+                                          args.batch_size, max_load=args.max_load)
 
     if "deit" in results or "dit" in results:
         print("\nper worker (median over rounds)       timm       ours   ours/timm")
@@ -302,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for fmt in args.formats:
             ratio = f"{r['ratios'][fmt]:9.2f}x" if fmt in r["ratios"] else ""
             print(f"  {fmt:35s} {r[f'{fmt}_per_s']:9.1f}  {ratio}  (reading the bytes: {r['read_us'][fmt]:.1f} us)")
+    for name in ("deit", "formats", "dit"):
+        if name in results:
+            print(f"{name} {describe_conditions(results[name]['conditions'])}")
     return results
 
 

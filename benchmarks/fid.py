@@ -45,7 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.harness import add_common_args, alternate, apply_common_args, time_call
+from benchmarks.harness import (add_common_args, alternate, apply_common_args, conditions, describe_conditions,
+                                is_loaded, time_call)
 from benchmarks.synthetic import smooth_images, write_png_folder
 from common.durable import atomic_write_text
 
@@ -73,16 +74,18 @@ def write_inputs(out: Path, count: int, seed: int = 0) -> dict:
     return {"weights": weights, "raw": raw, "samples": samples}
 
 
-def fid_commands(samples: Path, reference: Path, weights: Path, batch_size: int, result: Path) -> dict:
-    """The two commands a user runs for the FID of two folders: ours (its JSON result in ``result``) and
-    torch-fidelity's ``fidelity`` CLI."""
+def fid_commands(samples: Path, reference: Path, weights: Path, batch_size: int, result: Path,
+                 device: str = "cpu") -> dict:
+    """The two commands a user runs for the FID of two folders on ``device`` (cpu or cuda): ours (its JSON result in
+    ``result``) and torch-fidelity's ``fidelity`` CLI."""
     return {
         "diffusion.fid": [sys.executable, "-m", "diffusion.fid", "--samples", str(samples), "--reference",
-                          str(reference), "--metrics", "fid", "--extractor-weights", str(weights), "--device", "cpu",
+                          str(reference), "--metrics", "fid", "--extractor-weights", str(weights), "--device", device,
                           "--num-workers", "0", "--batch-size", str(batch_size), "--quiet", "--out", str(result)],
         "torch-fidelity": [sys.executable, "-m", "torch_fidelity.fidelity", "--input1", str(samples), "--input2",
-                           str(reference), "--fid", "--cpu", "--no-cache", "--feature-extractor-weights-path",
-                           str(weights), "--batch-size", str(batch_size), "--silent"],
+                           str(reference), "--fid", *(["--cpu"] if device == "cpu" else []), "--no-cache",
+                           "--feature-extractor-weights-path", str(weights), "--batch-size", str(batch_size),
+                           "--silent"],
     }
 
 
@@ -125,14 +128,16 @@ def vs_torch_fidelity(args) -> dict:
     def on_round(round_index, timed):
         for name in commands:
             print(json.dumps({"command": name, "round": round_index, "seconds": timed[name][-1].seconds,
-                              "fid": timed[name][-1].value}), flush=True)
+                              "cpu_seconds": timed[name][-1].children_cpu_seconds, "fid": timed[name][-1].value,
+                              "load": timed.loads[-1], "loaded": is_loaded(timed.loads[-1], args.max_load)}),
+                  flush=True)
 
     timed = alternate({name: (lambda name=name: run(name)) for name in commands}, args.rounds, flip=True,
                       on_round=on_round)
-    runs = {name: [{"round": r, "seconds": t.seconds, "fid": t.value} for r, t in enumerate(rows)]
-            for name, rows in timed.items()}
+    runs = {name: [{"round": r, "seconds": t.seconds, "cpu_seconds": t.children_cpu_seconds, "fid": t.value}
+                   for r, t in enumerate(rows)] for name, rows in timed.items()}
     result = {"count": args.count, "threads": args.threads, "commands": {k: " ".join(v) for k, v in commands.items()},
-              "runs": runs, **ratio_summary(runs)}
+              "runs": runs, **ratio_summary(runs), "conditions": conditions(timed, args.max_load, args.threads)}
     for name, ratio in result["torch_fidelity_over"].items():
         print(f"  {name}: median {result['median_s'][name]:.1f} s, torch-fidelity / it = {ratio:.2f}x")
     print(f"FID of {args.count} vs {args.count} PNGs, {args.threads} thread(s), {args.rounds} alternating rounds: "
@@ -140,6 +145,7 @@ def vs_torch_fidelity(args) -> dict:
           f"{result['median_s']['torch-fidelity']:.1f} s (medians); torch-fidelity / diffusion.fid = "
           f"{result['torch_fidelity_over_ours']:.2f}x; FID {runs['diffusion.fid'][0]['fid']:.6f} and "
           f"{runs['torch-fidelity'][0]['fid']:.6f}", flush=True)
+    print(describe_conditions(result["conditions"]), flush=True)
     atomic_write_text(args.out / "vs_torch_fidelity.json", json.dumps(result, indent=2) + "\n")
     return result
 
@@ -161,7 +167,7 @@ def bf16_vs_fp32(args) -> dict:
                               precision=precision)
             run = time_call(lambda: torch.cat([sampler(idx, balanced_labels(idx, spec.num_classes))
                                                for idx in torch.arange(args.samples).split(args.batch_size)]))
-            images[precision], row[f"seconds_{precision}"] = run.value, run.seconds
+            images[precision], row[f"seconds_{precision}"], row[f"load_{precision}"] = run.value, run.seconds, run.load
             row[f"fid_{precision}"] = evaluator.score(evaluator.features(images[precision]))["fid"]
         pixels = (images["fp32"].int() - images["bf16"].int()).abs()
         row.update(difference=row["fid_bf16"] - row["fid_fp32"], mean_abs_pixel=float(pixels.float().mean()),
@@ -190,8 +196,9 @@ def all_metrics(args) -> dict:
 
     run = time_call(lambda: fid.main(["--samples", str(inputs["raw"]), "--save-stats", str(args.out / "ref.npz"),
                                       "--center-crop", "64", *common], echo=False))
-    stats, timings["save_stats_s"] = run.value, run.seconds
-    print(json.dumps({"phase": "save_stats", "seconds": timings["save_stats_s"]}), flush=True)
+    stats, timings["save_stats_s"], timings["save_stats_load"] = run.value, run.seconds, run.load
+    print(json.dumps({"phase": "save_stats", "seconds": timings["save_stats_s"], "cpu_seconds": run.cpu_seconds,
+                      "load": run.load, "loaded": is_loaded(run.load, args.max_load)}), flush=True)
 
     phases = {}
     for name in ("features", "score"):
@@ -205,7 +212,8 @@ def all_metrics(args) -> dict:
         setattr(Evaluator, name, timed)
     run = time_call(lambda: fid.main(["--samples", str(inputs["samples"]), "--reference", str(args.out / "ref.npz"),
                                       "--out", str(args.out / "metrics.json"), *common], echo=False))
-    result, timings["fid_all_metrics_s"] = run.value, run.seconds
+    result, timings["fid_all_metrics_s"], timings["fid_load"] = run.value, run.seconds, run.load
+    timings["fid_loaded"] = is_loaded(run.load, args.max_load)
     timings["fid_feature_pass_s"] = phases.get("features")
     timings["fid_scoring_s"] = phases.get("score")
     timings["metrics"] = result["metrics"]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks.harness import alternate, time_call
+from benchmarks.harness import alternate, conditions, default_max_load, describe_conditions, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("timm", "torchvision", "diffusers", "accelerate", "torch_fidelity", "scipy", "datasets", "pyarrow",
@@ -102,7 +102,7 @@ def measure(entry_points: Sequence[str], repeats: int, first_lines: bool = True,
     # a first line's figure is its own (to the line, not to the end of the call); the others are whole calls
     times = {name: [r.value if name in firsts else r.seconds for r in rs] for name, rs in runs.items()}
     statuses = {name: {r.value for r in rs} for name, rs in runs.items() if name not in firsts and name != "bare"}
-    return {"times": times, "statuses": statuses}
+    return {"times": times, "statuses": statuses, "conditions": conditions(runs, default_max_load(), threads=1)}
 
 
 def summarise(times: Dict[str, List[float]]) -> List[dict]:
@@ -134,8 +134,8 @@ def main(argv=None) -> List[dict]:
         p.error("--repeats must be >= 1")
     measured = measure(args.only, args.repeats, args.first_lines)
     rows = summarise(measured["times"])
-    print(f"start-up, median of {args.repeats} alternating rounds, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.2f} at the end, Python {sys.version.split()[0]}")
+    print(f"start-up, median of {args.repeats} alternating rounds, Python {sys.version.split()[0]}; "
+          f"{describe_conditions(measured['conditions'])}")
     print(table(rows, measured["statuses"]))
     return rows
 

@@ -38,13 +38,16 @@ from benchmarks.harness import (
     alternate,
     apply_common_args,
     autocast as autocast_for,
+    conditions,
+    default_max_load,
+    load_note,
     peak_memory_mb,
     print_memory_report,
     print_report,
     progress,
     restart_clock,
     saved_activation_mb,
-    sync,
+    time_call,
 )
 from benchmarks.synthetic import deit_batch, dit_batch
 
@@ -92,9 +95,11 @@ def time_train_steps(
     log: Callable[[str], None] = progress,
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     sequential: bool = False,
+    max_load: float | None = None,
 ) -> Dict[str, dict]:
     """Median train-step time (ms), peak memory (MB) and parameter count of each model.
 
+    ``warmup_s`` is the seconds of the ``warmup`` steps (with ``compile``: the compiling).
     ``cpu_ms`` is the median CPU time of the process per step: on a CPU shared with other jobs it
     leaves out the time spent waiting for a core, so its ratios are steadier than wall-clock ones
     (with one thread; several threads add their spin-waits to it).
@@ -105,13 +110,15 @@ def time_train_steps(
 
     ``make_optimizer`` (default: foreach AdamW) builds each model's optimizer, e.g. the trainer's fused AdamW.
     ``sequential``: each model is built, warmed up, timed and freed before the next is built, so its peak memory
-    is its own (in turns, every model and its optimizer state is alive while any of them runs).
+    is its own (in turns, every model and its optimizer state is alive while any of them runs). Each variant's
+    ``conditions`` (:func:`benchmarks.harness.conditions`; rounds above ``max_load``, default the core count, are
+    LOADED) are those of the rounds it was timed in.
     """
     if sequential:
         results = {}
         for name, build in builders.items():
             results.update(time_train_steps({name: build}, make_batch, loss_fn, steps, warmup, device, dtype, compile,
-                                            compile_backend, log, make_optimizer))
+                                            compile_backend, log, make_optimizer, max_load=max_load))
             gc.collect()
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -134,13 +141,12 @@ def time_train_steps(
         loss.backward()
         optimizers[name].step()
 
+    warmup_s = {}
     for name in builders:
         log(f"{name}: {warmup} warm-up steps{' (compiles)' if compile else ''}")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(warmup):
-            step(name)
-        sync(device)
+        warmup_s[name] = time_call(lambda: [step(name) for _ in range(warmup)], device).seconds
         peak[name] = peak_memory_mb(device)
         activations[name] = saved_activation_mb(models[name], loss_fn, batch, autocast)
         log(f"{name}: ready, {activations[name]:.1f} MB saved for backward")
@@ -150,9 +156,12 @@ def time_train_steps(
         if time.perf_counter() - last_log[0] >= 10.0 or round_index == steps - 1:
             last_log[0] = time.perf_counter()
             log(f"round {round_index + 1}/{steps}: " + ", ".join(
-                f"{name} {1e3 * statistics.median(r.seconds for r in rs):.1f} ms" for name, rs in runs.items()))
+                f"{name} {1e3 * statistics.median(r.seconds for r in rs):.1f} ms" for name, rs in runs.items())
+                + f"; {load_note(runs.loads[-1], max_load)}")
 
+    max_load = default_max_load() if max_load is None else max_load
     runs = alternate({name: (lambda name=name: step(name)) for name in builders}, steps, device, on_round=on_round)
+    taken_under = conditions(runs, max_load)
     results = {
         name: dict(
             median_ms=1e3 * statistics.median(r.seconds for r in runs[name]),
@@ -160,6 +169,8 @@ def time_train_steps(
             peak_mem_mb=peak[name],
             activation_mb=activations[name],
             params=sum(p.numel() for p in models[name].parameters()),
+            warmup_s=warmup_s[name],
+            conditions=taken_under,
         )
         for name in builders
     }
@@ -219,6 +230,7 @@ def run_variants(args: argparse.Namespace, builders, make_batch, loss_fn, title:
     results = time_train_steps(
         builders, make_batch, loss_fn, steps=args.rounds, warmup=args.warmup, device=args.device,
         dtype=getattr(torch, args.dtype), compile=args.compile, compile_backend=args.compile_backend,
+        max_load=args.max_load,
     )
     print_report(results, baseline=baseline, title=(
         f"{title}, batch {args.batch_size}, {args.dtype}, {args.device}, {torch.get_num_threads()} threads"

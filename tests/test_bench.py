@@ -1,6 +1,12 @@
-"""The benchmark scripts run end to end (no timing assertions: speed belongs in the printed ratios)."""
+"""The benchmark scripts run end to end (no timing assertions: speed belongs in the printed ratios), and the
+conditions every figure carries (load, CPU time, threads, workers, the bounding process) are recorded."""
+import subprocess
+import sys
+from types import SimpleNamespace
+
 import pytest
 
+from benchmarks import harness
 from benchmarks.step import main
 
 TINY_DEIT = ["--models", "tiny", "--batch-size", "2", "--img-size", "16", "--patch-size", "8"]
@@ -20,7 +26,9 @@ def test_step_benchmark_deit_reports_every_variant_with_progress(capsys):
     out, err = capsys.readouterr()
     assert "x pre" in out and "siamese" in out and "cpu ms" in out
     assert "siamese+recompute_norms/pre: step time" in out and "saved activations" in out
-    assert "pre: ready" in err and "round 1/1" in err  # progress, on stderr, as it goes
+    assert "pre: ready" in err and "round 1/1" in err and "load " in err  # progress, on stderr, as it goes
+    assert "conditions: " in out and len(results["pre"]["conditions"]["round_loads"]) == 1
+    assert "warmup_s" in results["pre"]  # the seconds of the warm-up steps (with --compile: the compiling)
 
 
 def test_step_benchmark_deit_memory_mode(capsys):
@@ -107,3 +115,46 @@ def test_fid_benchmark_against_torch_fidelity_runs_both_commands_on_the_same_inp
     summary = ratio_summary(runs)
     assert summary["median_s"] == {"diffusion.fid": 12.0, "torch-fidelity": 20.0}
     assert summary["torch_fidelity_over_ours"] == pytest.approx(20.0 / 12.0)
+
+
+def test_every_round_carries_its_load_and_every_call_its_cpu_and_a_loaded_round_is_marked():
+    burn = [sys.executable, "-c", "sum(range(2 * 10**6))"]
+    runs = harness.alternate({"command": lambda: subprocess.run(burn, check=True), "nothing": lambda: None}, rounds=2)
+    assert len(runs.loads) == 2 and all(len(load) == 2 and min(load) >= 0 for load in runs.loads)
+    assert all(len(r.load) == 2 for rs in runs.values() for r in rs)
+    assert all(r.children_cpu_seconds > 0 for r in runs["command"])  # the command's CPU, counted once it ended
+    assert all(r.children_cpu_seconds == 0 for r in runs["nothing"])
+    quiet, loaded = harness.conditions(runs, max_load=1e9, threads=1), harness.conditions(runs, max_load=-1, workers=2)
+    assert quiet["loaded_rounds"] == [] and loaded["loaded_rounds"] == [1, 2]
+    assert set(quiet["sides"]) == {"command", "nothing"} and quiet["sides"]["command"]["children_cpu_s"] > 0
+    assert "LOADED" in harness.describe_conditions(loaded) and "2 data worker(s)" in harness.describe_conditions(loaded)
+    assert "LOADED" not in harness.describe_conditions(quiet) and "none above --max-load" in \
+        harness.describe_conditions(quiet)
+    assert harness.load_note(runs.loads[0], -1).endswith("LOADED (above -1)")
+
+
+def test_the_bound_is_the_busier_process():
+    assert harness.bound(10, 9.5, 6, 1)["bound"] == "main process"
+    assert harness.bound(10, 4, 9.8, 1)["bound"] == "data worker"
+    assert harness.bound(10, 4, 16, 2)["bound"] == "data worker"  # each of two workers 80% busy, the main 40%
+    assert harness.bound(10, 4, 0, 0)["bound"] == "main process"  # no workers: the main process loads the data
+    assert "bound by the data worker (main process busy 40%" in harness.describe_bound(harness.bound(10, 4, 9, 1))
+
+
+def fake_run(ends, cpu_per_s, seconds, cpu_total):
+    """A trainer run (benchmarks.vs_timm.TrainerRun) whose main process spent ``cpu_per_s`` CPU seconds per second."""
+    clock = SimpleNamespace(at=lambda t: (cpu_per_s * t, 0.0), totals=lambda: (cpu_total, 0.0))
+    return SimpleNamespace(clock=clock, seconds=seconds)
+
+
+def test_compile_payback_divides_the_extra_fixed_cost_by_the_saving_per_step():
+    from benchmarks.compile_payback import break_even, steady_and_fixed
+
+    # eager: 20 steps of 0.1 s after 3 s of start-up; compiled: 20 steps of 0.05 s after 30 s of start-up and compiling
+    eager = steady_and_fixed([3 + 0.1 * i for i in range(1, 21)], fake_run(None, 0.5, 5.0, 2.5), warmup=2)
+    compiled = steady_and_fixed([30 + 0.05 * i for i in range(1, 21)], fake_run(None, 0.5, 31.0, 15.5), warmup=2)
+    assert eager["step_s"] == pytest.approx(0.1) and compiled["step_s"] == pytest.approx(0.05)
+    assert eager["fixed_s"] == pytest.approx(3.0) and compiled["fixed_s"] == pytest.approx(30.0)
+    assert break_even(eager, compiled, "") == pytest.approx(27.0 / 0.05)  # 540 steps
+    assert break_even(eager, compiled, "cpu_") == pytest.approx((15.0 - 1.5) / 0.025)
+    assert break_even(compiled, eager, "") == float("inf")  # slower steps never repay
