@@ -47,7 +47,7 @@ bench: $(STAMP)
 # The GPU figures (the real trainers' images/s and MFU, step time, memory, host syncs, data feed, sampling), part
 # by part into runs/gpu_check.json (docs/benchmarks.md); fails cleanly without a GPU.
 gpu-check: $(STAMP)
-	$(PY) -m scripts.gpu_check --out runs/gpu_check.json
+	$(PY) -m benchmarks.gpu_check --out runs/gpu_check.json
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .venv-latest runs .pytest_cache

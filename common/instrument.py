@@ -8,7 +8,7 @@
         Trainer(cfg, task).fit()
     steps[3].project_reads, steps[3].cuda_syncs, steps[3].logging
 
-Used by the tests (no sync outside logging steps) and by ``scripts.gpu_check`` (the same counts on a GPU, plus
+Used by the tests (no sync outside logging steps) and by ``benchmarks.gpu_check`` (the same counts on a GPU, plus
 the synchronisations CUDA's sync-debug mode reports).
 """
 from __future__ import annotations

@@ -64,8 +64,8 @@ def _recipe(model: str, topology: str, sets: Sequence[str]):
 
 
 class Costs:
-    """GPU-hours of a job from images/s per GPU: measured by ``scripts.gpu_check`` (``--gpu-check``) where it ran that
-    model, else the FLOPs of configs/paper_imagenet.yaml at the assumed (or that run's measured) MFU."""
+    """GPU-hours of a job from images/s per GPU: measured by ``benchmarks.gpu_check`` (``--gpu-check``) where it ran
+    that model, else the FLOPs of configs/paper_imagenet.yaml at the assumed (or that run's measured) MFU."""
 
     def __init__(self, study: dict, gpu: str, gpu_check: Optional[Path]):
         from benchmarks.harness import PEAK_BF16

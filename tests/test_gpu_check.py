@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import gpu_check
+from benchmarks import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_stops_with_a_clear_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--out", str(tmp_path / "x.json")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "x.json")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "make gpu-check measures a CUDA GPU, and this torch sees none" in proc.stderr
@@ -170,7 +170,7 @@ def test_a_part_still_running_at_the_budget_is_stopped_and_the_rest_skipped(tmp_
 STUCK_IN_ONE_CALL = """
 import json, signal, sys, threading
 from pathlib import Path
-from scripts import gpu_check
+from benchmarks import gpu_check
 
 plan = gpu_check.Plan(8.0, tiny=False)  # the signal at 8 - 5 s of reserve, the watchdog at 5.5 s
 plan.record("data_feed", 0.01)
@@ -199,10 +199,51 @@ def test_a_part_inside_one_call_at_the_budget_ends_the_process_with_its_results_
     assert parts["after"]["status"] == "skipped"
 
 
+def test_peers_runs_the_rows_whose_checkouts_it_finds_on_this_device(tmp_path, monkeypatch):
+    """The peers part hands benchmarks.vs_peers the device, the sizes and the checkouts it finds under --peers; the
+    rows of a missing checkout are left out and named; a peer's failing command (vs_peers exits) fails the part, not
+    the check."""
+    from benchmarks import vs_peers
+
+    (tmp_path / "DiT").mkdir()
+    (tmp_path / "DiT" / "sample.py").write_text("")
+    seen = []
+
+    def fake_main(argv):
+        seen.append(argv)
+        return [{"measure": "sampling", "peer": "DiT sample.py", "ratio": 1.0, "ours": 1.0, "theirs": 1.0,
+                 "unit": "samples/s"}]
+
+    monkeypatch.setattr(vs_peers, "main", fake_main)
+    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "peers", "--peers", str(tmp_path),
+                              "--out", str(tmp_path / "x.json")])
+    argv = seen[0]
+    assert argv[argv.index("--rows") + 1] == "sample,fid" and argv[argv.index("--device") + 1] == "cpu"
+    assert argv[argv.index("--dit-repo") + 1] == str(tmp_path / "DiT") and "--timm-repo" not in argv
+    assert results["parts"]["peers"]["status"] == "done" and results["peers"]["rows"][0]["measure"] == "sampling"
+    assert any("fast-DiT" in m and "train_dit" in m for m in results["peers"]["not found"])
+
+    def failing_main(argv):
+        raise SystemExit("error: validate.py failed (exit 1):\nTraceback ...")
+
+    monkeypatch.setattr(vs_peers, "main", failing_main)
+    results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "peers", "--peers", str(tmp_path),
+                              "--out", str(tmp_path / "y.json")])
+    peers = results["parts"]["peers"]
+    assert peers["status"] == "failed" and "validate.py failed" in peers["reason"]
+
+
+def test_the_compile_break_even_is_the_extra_warm_up_over_the_saving_per_step():
+    eager = {"pre": {"median_ms": 100.0, "warmup_s": 1.0}, "siamese": {"median_ms": 100.0, "warmup_s": 1.0}}
+    compiled = {"pre": {"median_ms": 80.0, "warmup_s": 41.0}, "siamese": {"median_ms": 120.0, "warmup_s": 41.0}}
+    assert gpu_check.compile_break_even(eager, compiled) == {"pre": pytest.approx(2000.0), "siamese": float("inf")}
+
+
 def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--out", "--only", "--budget-s", "--sync-warmup", "--compiled-step-time", "--allow-cpu", "--tiny"):
+    for flag in ("--out", "--only", "--budget-s", "--sync-warmup", "--compiled-step-time", "--allow-cpu", "--tiny",
+                 "--peers", "--peer-rounds"):
         assert flag in text, flag

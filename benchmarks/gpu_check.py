@@ -1,10 +1,11 @@
 """`make gpu-check`: the GPU figures in one command, printed and written as JSON part by part.
 
-    make gpu-check                                              # python -m scripts.gpu_check --out runs/gpu_check.json
-    python3 -m scripts.gpu_check --budget-s 300 --out OUT.json  # what fits in 5 minutes, the rest named as skipped
-    python3 -m scripts.gpu_check --only data_feed sampling      # some parts
+    make gpu-check                                       # python -m benchmarks.gpu_check --out runs/gpu_check.json
+    python3 -m benchmarks.gpu_check --budget-s 300 --out OUT.json  # what fits in 5 minutes, the rest named as skipped
+    python3 -m benchmarks.gpu_check --only data_feed sampling      # some parts
+    python3 -m benchmarks.gpu_check --only peers --peers .peers    # ours beside the peers' scripts, on the GPU
 
-It runs from a checkout without installing it (``PYTHONPATH=.``, ``python3 -m scripts.gpu_check``), on torch 2.6
+It runs from a checkout without installing it (``PYTHONPATH=.``, ``python3 -m benchmarks.gpu_check``), on torch 2.6
 or later. It is one file of independent parts, a function each (over 500 lines for that reason: one script is the
 one thing to carry to a bare GPU machine). The parts, in the order they run (the most telling first):
 
@@ -17,7 +18,8 @@ one thing to carry to a bare GPU machine). The parts, in the order they run (the
 2. ``step_time``: forward, backward and the trainer's fused AdamW, Pre-Norm vs SiameseNorm, each variant built,
    timed and freed alone (so its peak memory is its own): time, peak memory, activation memory and their ratios;
    DeiT-S/224 at batch 128, DiT-B/2 (32x32x4 latents) at batch 64; eager (``--compiled-step-time``: also
-   compiled, when the budget allows);
+   compiled, when the budget allows, and the compile's break-even in steps: its warm-up's extra seconds over each
+   step's saving, what ``train.compile=auto``'s bar is checked against);
 3. ``host_syncs``: per training step of both trainers (eager, the recipes' own settings), the device values the
    host reads from project code and the synchronisations CUDA's sync-debug mode reports; logging steps (which
    read on purpose) and the first ``--sync-warmup`` steps (one-time copies of constants, compilation) are left
@@ -27,7 +29,13 @@ one thing to carry to a bare GPU machine). The parts, in the order they run (the
    x 2), then enough batches are timed to empty that head start many times over;
 5. ``sampling``: what ``diffusion.sample`` runs (fp32 with TF32 matmuls, no autocast): DiT-B/2 images/s with 250
    DDPM steps through an SD-VAE-sized decoder (random weights: the same compute), and the FID-50K time that implies
-   (sampling plus Inception features). Needs diffusers and torch-fidelity.
+   (sampling plus Inception features). Needs diffusers and torch-fidelity;
+6. ``trainer_pre``: part 1 with Pre-Norm;
+7. ``peers``: ``benchmarks.vs_peers``' rows on the GPU, ours beside each peer's own script (DiT's ``sample.py``,
+   timm's ``validate.py`` and ``train.py``, fast-DiT's ``train.py``, torch-fidelity) with the same model, data and
+   batch, bf16 autocast for training and evaluation on both sides (sampling and FID in fp32, the peers having no
+   bf16 path): DeiT-S and DiT-B/2 at batch 128, ``--peer-rounds`` alternating rounds; the peers' checkouts are read
+   from ``--peers`` (a row whose checkout is missing is left out and named).
 
 ``--budget-s`` is a promise, counted from the command's start (imports included): a part (or a trainer run, or the
 compiled step times) whose expected duration does not fit in what is left is skipped; the expectation is the piece's
@@ -66,10 +74,10 @@ from benchmarks.harness import PEAK_BF16, time_call  # noqa: E402
 from common.distributed import cuda_available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre")
+PARTS = ("trainer", "step_time", "host_syncs", "data_feed", "sampling", "trainer_pre", "peers")
 # Seconds each piece takes on an H200 (measured runs round up); --tiny divides them by TINY_SPEEDUP.
 ESTIMATE_S = {"trainer run": 90, "step_time eager": 40, "step_time compiled": 240, "host_syncs": 45,
-              "data_feed": 30, "sampling": 45}
+              "data_feed": 30, "sampling": 45, "peers": 480}
 TINY_SPEEDUP = 4
 
 
@@ -333,8 +341,24 @@ def step_times(device, tiny: bool, plan: Plan, out: dict, save: Callable[[], Non
                 "siamese/pre activations": r["siamese"]["activation_mb"] / r["pre"]["activation_mb"]}
             save()
         plan.record(f"step_time {mode}", plan.clock() - started)
+    for label in cases:
+        if f"{label} compiled" in out:
+            out[f"{label} compile break-even steps"] = compile_break_even(out[f"{label} eager"],
+                                                                          out[f"{label} compiled"])
     out["precision"] = "bf16 autocast" if dtype else "fp32 (CPU)"
     out["optimizer"] = "the trainer's fused AdamW (common.trainer.build_optimizer)"
+    return out
+
+
+def compile_break_even(eager: dict, compiled: dict) -> dict:
+    """Per variant, the steps after which the compiled step has repaid its compiling: the compiled warm-up's extra
+    seconds over the eager one's, divided by what each timed step saves (inf where it saves nothing)."""
+    out = {}
+    for name in eager:
+        if isinstance(eager[name], dict) and "warmup_s" in eager[name]:
+            saving = (eager[name]["median_ms"] - compiled[name]["median_ms"]) / 1e3
+            extra = compiled[name]["warmup_s"] - eager[name]["warmup_s"]
+            out[name] = max(extra, 0.0) / saving if saving > 0 else math.inf
     return out
 
 
@@ -474,6 +498,41 @@ def inception_seconds_per_image(workdir: Path, device, tiny: bool) -> float:
     return time_call(lambda: extractor(images), device).seconds / len(images)
 
 
+# ----------------------------------------------------------------------------------------- 7. peers
+PEER_CHECKOUTS = {"dit_repo": "DiT", "timm_repo": "pytorch-image-models", "fast_dit_repo": "fast-DiT"}
+# benchmarks.vs_peers' sizes: on a GPU DeiT-S (timm's deit_tiny at DeiT-S's width, depth and heads) and DiT-B/2,
+# batch 128; --tiny: the smallest that runs every row on a CPU
+PEER_SIZES = {False: ["--width", "384", "--depth", "12", "--heads", "6", "--batch-size", "128", "--workers", "6",
+                      "--threads", "4", "--images", "1024", "--train-steps", "20", "--train-epochs", "3",
+                      "--dit-model", "DiT-B/2", "--steps", "50", "--fid-count", "1000"],
+              True: ["--width", "32", "--depth", "1", "--heads", "2", "--batch-size", "4", "--workers", "1",
+                     "--threads", "1", "--images", "8", "--train-steps", "4", "--train-warmup", "1",
+                     "--dit-model", "DiT-S/8", "--steps", "2", "--fid-count", "8"]}
+
+
+def peers(workdir: Path, device, tiny: bool, peers_dir: Path, rounds: int) -> dict:
+    """The side-by-side rows of ``benchmarks.vs_peers`` on this device (bf16 training and evaluation on CUDA, where
+    both sides have it): every row whose peer checkout is in ``peers_dir`` (``DiT/``, ``fast-DiT/``,
+    ``pytorch-image-models/``), and FID (torch-fidelity, a pip package)."""
+    from benchmarks import vs_peers
+
+    found = {option: peers_dir / name for option, name in PEER_CHECKOUTS.items()
+             if (peers_dir / name / vs_peers.PEER_FILES[option]).is_file()}
+    rows = [row for row in vs_peers.ROWS if vs_peers.NEEDS.get(row) in (None, *found)]
+    argv = ["--rows", ",".join(rows), "--device", device.type, "--rounds", str(rounds), "--workdir",
+            str(workdir / "peers"), *PEER_SIZES[tiny]]
+    for option, path in found.items():
+        argv += ["--" + option.replace("_", "-"), str(path)]
+    log(f"peers: {', '.join(rows)} on {device.type}, {rounds} round(s)")
+    try:
+        results = vs_peers.main(argv)
+    except SystemExit as stop:  # a peer's command failed: its output is in the message
+        raise RuntimeError(str(stop)) from None
+    missing = [f"{peers_dir / name} (rows {', '.join(r for r in vs_peers.ROWS if vs_peers.NEEDS.get(r) == option)})"
+               for option, name in PEER_CHECKOUTS.items() if option not in found]
+    return {"rows": results, "command": "python -m benchmarks.vs_peers " + " ".join(argv), "not found": missing}
+
+
 # ------------------------------------------------------------------------------------------------ main
 def _json_safe(value):
     """NaN (no GPU peak memory on a CPU) as null, which every JSON reader accepts."""
@@ -509,6 +568,12 @@ def print_table(results: dict) -> None:
         print(f"== sampling: {r['images_per_s']:.1f} images/s (250 steps, batch {r['batch']}); Inception "
               f"{r['inception_images_per_s']:.0f} images/s; FID-50K about {r['fid50k_minutes_one_gpu']:.0f} min on one "
               "GPU")
+    for label, r in results.get("step_time", {}).items():
+        if label.endswith("break-even steps"):
+            print(f"== {label}: " + ", ".join(f"{name} {steps:.0f}" for name, steps in r.items()))
+    for r in results.get("peers", {}).get("rows", []):
+        print(f"== vs peers, {r['measure']}: ours/{r['peer']} {r['ratio']:.2f}x ({r['ours']:.1f} / {r['theirs']:.1f} "
+              f"{r['unit']})")
     for name, status in results.get("parts", {}).items():
         if status["status"] != "done":
             print(f"== {name}: {status['status']}: {status.get('reason', '')}")
@@ -575,7 +640,7 @@ def run_parts(names: Sequence[str], jobs: dict, plan: Plan, results: dict, save:
 def main(argv: Sequence[str] | None = None, started: Optional[float] = None) -> dict:
     """``started``: when the budget's clock started (the command line passes the module's import time, before
     torch's; by default the time of the call)."""
-    p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/gpu_check.json", help="JSON results file (rewritten after every part)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts")
@@ -589,6 +654,11 @@ def main(argv: Sequence[str] | None = None, started: Optional[float] = None) -> 
                    help="also time the compiled steps in step_time (the trainer part already runs compiled)")
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on a machine without a CUDA GPU (its figures mean nothing; a check that the parts run)")
+    p.add_argument("--peers", default=str(ROOT / ".peers"),
+                   help="part peers: the folder holding the peers' checkouts, DiT/, fast-DiT/ and "
+                        "pytorch-image-models/ (default: .peers in the checkout; docs/benchmarks.md says how to fill "
+                        "it)")
+    p.add_argument("--peer-rounds", type=int, default=1, help="part peers: alternating rounds per row (default 1)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny models and inputs in every part (with --allow-cpu: the CPU smoke run the tests use)")
     args = p.parse_args(argv)
@@ -629,6 +699,7 @@ def main(argv: Sequence[str] | None = None, started: Optional[float] = None) -> 
             "trainer_pre": ("trainer run", True, lambda: trainer_runs(workdir, args.tiny, plan,
                                                                       results.setdefault("trainer_pre", {}), save,
                                                                       "pre")),
+            "peers": ("peers", False, lambda: peers(workdir, device, args.tiny, Path(args.peers), args.peer_rounds)),
         }
         run_parts(args.only or PARTS, jobs, plan, results, save)
     print_table(results)
