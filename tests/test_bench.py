@@ -158,3 +158,18 @@ def test_compile_payback_divides_the_extra_fixed_cost_by_the_saving_per_step():
     assert break_even(eager, compiled, "") == pytest.approx(27.0 / 0.05)  # 540 steps
     assert break_even(eager, compiled, "cpu_") == pytest.approx((15.0 - 1.5) / 0.025)
     assert break_even(compiled, eager, "") == float("inf")  # slower steps never repay
+
+
+def test_the_profile_names_the_torch_ops_and_the_python_functions_a_command_spends_its_cpu_in(tmp_path, capsys):
+    from benchmarks.cpu_profile import main as profile
+
+    script = tmp_path / "work.py"
+    script.write_text("import sys, torch\n\ndef python_loop():\n    total = 0\n    for i in range(300000):\n"
+                      "        total += i * i\n    return total\n\n"
+                      "x = torch.randn(256, 256)\nfor _ in range(20):\n    x = torch.mm(x, x).tanh()\n"
+                      "python_loop()\nassert sys.argv[1:] == ['--flag']\n")
+    result = profile(["--script", str(script), "--top", "5", "--", "--flag"])
+    assert "aten::mm" in [name for name, _, _ in result["ops"]] and result["cpu_s"] > 0
+    assert any("python_loop" in name for name, _, _ in result["functions"])
+    out = capsys.readouterr().out
+    assert "torch op" in out and "Python function (own time)" in out and "load " in out
