@@ -37,7 +37,7 @@ ARGUMENT_ERRORS: Dict[str, List[str]] = {
     "diffusion.sample": ["--checkpoint", "runs/none/ema.safetensors", "--grid", "grid.png", "--labels", "207,cat"],
     "diffusion.fid": ["--samples", "samples.npz", "--batch-size", "fifty"],
     "diffusion.export": ["--checkpoint", "runs/none/ema.safetensors", "--out", "exports/none", "--format", "onnx"],
-    "diffusion.extract_latents": ["--data-path", "images", "--out", "latents", "--image-size", "100"],
+    "diffusion.extract_latents": ["--data-path", "images", "--out", "latents", "--image-size", "0"],
     "vision.shard": ["--data-path", "images", "--out", "shards", "--shard-size", "0"],
     "scripts.compare": ["--shard", "3/2"],
     "scripts.demo": ["--families", "gpt"],

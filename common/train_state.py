@@ -5,7 +5,7 @@ trainer fills, by convention::
 
     {"model": state_dict, "ema": state_dict | None, "optimizer": ..., "scheduler": ..., "step": int,
      "epoch": int, "sampler": sampler.state_dict(), "rng": [capture_rng_state() of rank 0, rank 1, ...],
-     "config": plain dict, ...}
+     "config": plain dict, "weights_metadata": what the task writes into its weights files, ...}
 
 Everything in it is readable with ``torch.load(weights_only=True)`` (no pickled code), so
 ``common.checkpoint.load_weights(model, path)`` can read the weights straight out of it (``key="ema"``

@@ -619,6 +619,7 @@ class Trainer:
                 "rng": list(rng), "log_window": list(window), "last_record": self.last_record,
                 "nonfinite": self.guard.state_dict(), "world_size": self.world,
                 "config": config_to_dict(self.cfg), "hooks_pending": hooks_pending,
+                "weights_metadata": self.task.weights_metadata(self.step),
             }, self.step)
             if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint
                 save_weights(self.ema.module, self.run_dir / "ema.safetensors",

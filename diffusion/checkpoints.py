@@ -1,7 +1,8 @@
 """The checkpoint formats a DiT is read from, each with what it records of the model (:class:`~diffusion.spec.DiTSpec`):
 
 * a ``.safetensors`` file of ``diffusion.train`` (``model.safetensors``, ``ema.safetensors``): the spec in its metadata;
-* a training checkpoint ``step_*.pt``: the run's config, the EMA weights by default;
+* a training checkpoint ``step_*.pt``: the spec as the run's weights record it (older checkpoints: the run's config,
+  the latents' channels and size read off the weights), the EMA weights by default;
 * a ``save_pretrained`` folder (:class:`diffusion.hub.DiTModel`): ``config.json`` and :data:`HUB_WEIGHTS`;
 * a plain state dict (the official ``DiT-XL-2-256x256.pt``): nothing, so the published DiT's values.
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from common.checkpoint import CheckpointError, load_weights, read_file, unwrap_state_dict
+from diffusion.latents import load_vae_config, vae_downsampling
 from diffusion.models import DiT
 from diffusion.spec import DiTSpec
 
@@ -48,7 +51,10 @@ def read_checkpoint(path, weights: Optional[str] = None) -> Tuple[Any, Dict[str,
         with safe_open(str(path), "pt") as f:
             return source, DiTSpec.from_metadata(f.metadata() or {}), None
     raw = read_file(path)
-    found = DiTSpec.from_train_config(raw["config"]) if isinstance(raw.get("config"), dict) else {}
+    if isinstance(raw.get("weights_metadata"), dict):
+        found = DiTSpec.from_metadata(raw["weights_metadata"])
+    else:
+        found = DiTSpec.from_train_config(raw["config"]) if isinstance(raw.get("config"), dict) else {}
     if weights is None and isinstance(raw.get("ema"), dict):
         weights = "ema"  # sample the EMA weights by default, as DiT does
     return raw, found, weights
@@ -64,28 +70,46 @@ def learns_sigma(state_dict: Dict[str, Any], spec: DiTSpec) -> bool:
     return weight.shape[0] == 2 * outputs
 
 
+def latent_geometry(state_dict: Dict[str, Any]) -> Dict[str, int]:
+    """``in_channels`` and ``input_size`` of the samples a DiT's weights denoise, read off its patch embedding
+    (``C`` input channels, ``p x p`` patches) and its position table (``(input_size / p)^2`` tokens); empty where
+    the weights lack them."""
+    proj, pos = state_dict.get("x_embedder.proj.weight"), state_dict.get("pos_embed")
+    if proj is None or pos is None:
+        return {}
+    grid = math.isqrt(pos.shape[-2])
+    return {"in_channels": int(proj.shape[1]), "input_size": grid * int(proj.shape[-1])}
+
+
 def load_dit(checkpoint, overrides: Optional[Dict[str, Any]] = None, weights: Optional[str] = None
              ) -> Tuple[DiT, DiTSpec, str]:
     """``(model in eval mode, its spec, the weights entry used)`` from any checkpoint (:func:`read_checkpoint`).
 
     ``overrides`` (None values ignored) take precedence over the file; ``image_size`` (pixels) sets the
-    ``input_size`` of a latent model through the 8x VAE. The model is built on the meta device and given empty
-    storage: the strict load fills every parameter and buffer, so DiT's initialisation (random draws over all the
-    weights) would be overwritten, and is skipped."""
+    ``input_size`` of a latent model through its VAE's downsampling (:func:`diffusion.latents.vae_downsampling`).
+    Where neither says the latents' channels and size (a plain state dict, an older ``step_*.pt``), the weights do
+    (:func:`latent_geometry`). The model is built on the meta device and given empty storage: the strict load fills
+    every parameter and persistent buffer, so DiT's initialisation (random draws over all the weights) would be
+    overwritten, and is skipped; the non-persistent buffers (RoPE's tables) are computed again."""
     source, found, key = read_checkpoint(checkpoint, weights)
     overrides = dict(overrides or {})
     image_size = overrides.pop("image_size", None)
-    if image_size is not None:
-        pixel = (overrides.get("autoencoder") or found.get("autoencoder")) == "none"
-        overrides["input_size"] = image_size if pixel else image_size // 8
-    spec = DiTSpec.resolve(found, overrides)
     try:
         state_dict = unwrap_state_dict(source, key)
+        found = {**latent_geometry(state_dict), **found}
+        spec = DiTSpec.resolve(found, overrides)
+        if image_size is not None:
+            pixel = spec.autoencoder == "none"
+            factor = 1 if pixel else vae_downsampling(load_vae_config(spec.autoencoder, option="--vae"))
+            spec = dataclasses.replace(spec, input_size=image_size // factor)
         if "learn_sigma" not in found:  # a plain state dict: its output layer says (SiT's sample.py builds both)
             spec = dataclasses.replace(spec, learn_sigma=learns_sigma(state_dict, spec))
         with torch.device("meta"):
             model = spec.build()
         model = model.to_empty(device="cpu")
+        for module in model.modules():  # the buffers no state dict holds (RoPE's tables) are computed, not loaded
+            if hasattr(module, "init_non_persistent_buffers"):
+                module.init_non_persistent_buffers()
         load_weights(model, state_dict)
     except CheckpointError as err:
         raise CheckpointError(f"{checkpoint}: {err}") from None

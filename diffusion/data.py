@@ -2,7 +2,8 @@
 
 * :class:`DataConfig`: the ``data:`` section of a DiT recipe.
 * :class:`LatentImages`: a fresh latent per access, drawn from the VAE moments ``diffusion.extract_latents`` stored
-  (the image or its mirror); :class:`PixelImages`: Fashion-MNIST in [-1, 1], padded, randomly mirrored.
+  (the image or its mirror), scaled by the VAE's factor or normalised per channel (LightningDiT's ``latent_norm``);
+  :class:`PixelImages`: Fashion-MNIST in [-1, 1], padded, randomly mirrored.
 * :class:`DiffusionExamples`: ``(x0, label, t, noise, drop_label)`` (``t``: DDPM's timestep, or the draw a
   transport maps to its time); every random choice of an example is made in
   the dataset, so under :class:`common.data.SeededDataset` it depends only on the sample's seed (the same for any
@@ -19,7 +20,7 @@ from torch.utils.data import Dataset
 from common.cli import InputError
 from common.config import ConfigError, Range
 from common.data import FASHION_MNIST_CLASSES, load_fashion_mnist
-from diffusion.latents import LatentDataset, draw_latent
+from diffusion.latents import LatentDataset, LatentScaling, draw_latent
 
 
 @dataclass(kw_only=True)
@@ -30,6 +31,8 @@ class DataConfig:
     image_size: Annotated[int, Range(ge=8)]  # pixels; latents: must match the extraction
     num_classes: Annotated[int, Range(ge=1)]
     hflip: bool  # random horizontal flip (latents: the stored flipped view)
+    latent_norm: bool = False  # LightningDiT's per-channel normalisation (z - mean_c) / std_c * latent_multiplier with the latents' own statistics, in place of the VAE's scaling factor
+    latent_multiplier: Annotated[float, Range(gt=0)] = 1.0  # with latent_norm: the factor after normalising (LightningDiT's VA-VAE recipes: 1.0)
     max_samples: Optional[Annotated[int, Range(ge=1)]] = None  # keep the first N training examples (quick runs, tests)
     num_workers: Union[Annotated[int, Range(ge=0)], Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
 
@@ -38,6 +41,13 @@ class DataConfig:
             raise ConfigError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
         if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):
             raise ConfigError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
+        if self.dataset == "fashion_mnist" and self.latent_norm:
+            raise ConfigError("data.latent_norm normalises VAE latents, and dataset=fashion_mnist trains on pixels: set "
+                              "data.latent_norm=false")
+        if not self.latent_norm and self.latent_multiplier != 1.0:
+            raise ConfigError(f"data.latent_multiplier={self.latent_multiplier} scales the normalised latents of "
+                              "data.latent_norm=true; without it the VAE's scaling factor applies: set "
+                              "data.latent_norm=true, or data.latent_multiplier=1")
 
     def check_ready(self) -> None:
         """The latents' place, needed to run (not to print a config)."""
@@ -77,11 +87,16 @@ class LatentImages(Dataset):
     """A fresh VAE latent per access, drawn from the stored moments: ``(x0 (C, h, w), label)``.
 
     View 0 is the image, view 1 its mirror; ``hflip`` picks one at random. ``with_image`` appends the stored pixels
-    of the same view (uint8; extracted with ``--images``).
+    of the same view (uint8; extracted with ``--images``). A draw is scaled by the VAE's scaling factor, or with
+    ``latent_norm`` normalised per channel by the latents' statistics, times ``latent_multiplier``
+    (:attr:`scaling`; :attr:`normalization` is what the model's description records).
     """
 
-    def __init__(self, root: str, hflip: bool = True, limit: Optional[int] = None, with_image: bool = False):
+    def __init__(self, root: str, hflip: bool = True, limit: Optional[int] = None, with_image: bool = False,
+                 latent_norm: bool = False, latent_multiplier: float = 1.0):
         self.moments = LatentDataset(root)
+        self.normalization = self.moments.normalization(latent_multiplier) if latent_norm else None
+        self.scaling = LatentScaling(self.moments.scaling_factor, self.normalization)
         self.classes = self.moments.classes  # the image folder's class names (ImageNet: WordNet ids)
         self.hflip = hflip
         self.with_image = with_image
@@ -93,7 +108,7 @@ class LatentImages(Dataset):
         return self.length
 
     def __getitem__(self, i: int):
-        return draw_latent(self.moments, i, self.hflip, self.with_image)  # reads only the drawn view
+        return draw_latent(self.moments, i, self.hflip, self.with_image, self.scaling)  # reads only the drawn view
 
 
 TIME_DRAWS = ("index", "uniform", "normal")
@@ -134,7 +149,7 @@ def build_images(cfg: DataConfig, with_image: bool = False) -> Dataset:
     """The training images; ``with_image`` adds what REPA's encoder sees (the pixels of the same view)."""
     if cfg.dataset == "fashion_mnist":
         return PixelImages("train", cfg.image_size, cfg.path, cfg.max_samples, cfg.hflip, with_image)
-    images = LatentImages(cfg.path, cfg.hflip, cfg.max_samples, with_image)
+    images = LatentImages(cfg.path, cfg.hflip, cfg.max_samples, with_image, cfg.latent_norm, cfg.latent_multiplier)
     meta = images.moments.metadata
     if meta["image_size"] != cfg.image_size:
         raise InputError(f"the latents in {cfg.path} are of {meta['image_size']}px images, the config says "

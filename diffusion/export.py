@@ -46,7 +46,9 @@ def parse_args(argv=None):
     m = p.add_argument_group("model (override what the checkpoint says; needed for plain state dicts)")
     m.add_argument("--model", default=None, help="a DiT of diffusion.models.DiT_models: DiT-{S,B,L,XL}/{2,4,8}, "
                                                  "LightningDiT-{B,L,XL,1p0B,1p6B}/{1,2}, e.g. DiT-XL/2")
-    m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
+    m.add_argument("--image-size", type=int, default=None,
+                   help="image size in pixels (latents: divided by the VAE's downsampling, 2^(blocks - 1): 8 for the "
+                        "SD VAE, 16 for LightningDiT's VA-VAE); without it the weights' position table gives the size")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
     p.add_argument("--quiet", action="store_true", help="no JSON summary on stdout")

@@ -3,9 +3,11 @@
     python -m diffusion.extract_latents --data-path IMAGENET/train --vae PATH_OR_ID --out DIR
     accelerate launch -m diffusion.extract_latents --data-path ... --out DIR     # several GPUs
 
-Each image is ADM-center-cropped, encoded with its horizontal flip by a diffusers ``AutoencoderKL``,
-and the posterior mean and log-variance of both views are written to shards of ``--shard-size``
-images (layout in :mod:`diffusion.latents`). Shards already on disk are skipped, so re-running the
+Each image is ADM-center-cropped, encoded with its horizontal flip by a diffusers ``AutoencoderKL`` (any
+downsampling and channel count: the SD VAE's 8x and 4 channels, LightningDiT's VA-VAE's 16x and 32), and the
+posterior mean and log-variance of both views are written to shards of ``--shard-size`` images (layout in
+:mod:`diffusion.latents`); ``metadata.json`` also states the latents' per-channel mean and std, which
+``data.latent_norm`` (LightningDiT's normalisation) trains with. Shards already on disk are skipped, so re-running the
 same command resumes an interrupted run. Unreadable images are reported by name and skipped.
 """
 from __future__ import annotations
@@ -36,10 +38,13 @@ from diffusion.latents import (
     METADATA_FILE,
     encode_moments,
     image_to_tensor,
+    latent_statistics,
     load_vae,
     read_shard_header,
     shard_name,
     shard_settings,
+    stored_channel_sums,
+    vae_downsampling,
     write_shard,
 )
 
@@ -110,7 +115,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory for the shards and metadata.json")
     p.add_argument("--vae", default=DEFAULT_VAE, help="local AutoencoderKL directory, or a Hugging Face id in your cache")
     p.add_argument("--allow-download", action="store_true", help="let diffusers download the VAE if it is not cached")
-    p.add_argument("--image-size", type=int, default=256, help="ADM center-crop resolution")
+    p.add_argument("--image-size", type=int, default=256, help="ADM center-crop resolution, a multiple of the VAE's "
+                   "downsampling (2^(blocks - 1): 8 for the SD VAE, 16 for LightningDiT's VA-VAE)")
     p.add_argument("--batch-size", type=int, default=64, help="images per VAE forward (x2 with the flips), per process")
     p.add_argument("--shard-size", type=int, default=10000, help="images per shard (the unit of resume)")
     p.add_argument("--num-workers", default="auto", help="image-decoding worker processes per process; auto: the "
@@ -123,8 +129,6 @@ def parse_args(argv=None):
     for name in ("image_size", "batch_size", "shard_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
-    if args.image_size % 8:
-        p.error("--image-size must be a multiple of 8 (the SD VAE downsamples by 8)")
     if args.num_workers != "auto" and not args.num_workers.isdigit():
         p.error(f"--num-workers {args.num_workers}: a number of worker processes >= 0, or auto")
     return args
@@ -155,13 +159,15 @@ def finished_shards(out: Path, shards, settings: dict):
 
 def write_metadata(out: Path, num_shards: int, settings: dict, latent_shape) -> dict:
     """``metadata.json`` from the shards on disk and the settings every shard records (which must agree)."""
-    shards, skipped = [], []
+    shards, skipped, sums = [], [], []
     for k in range(num_shards):
         header = read_shard_header(out / shard_name(k))
         if header is None:
             raise ExtractionError(f"{out / shard_name(k)} is missing after extraction; re-run the command to finish it")
         shards.append({"file": shard_name(k), "count": header["count"]})
         skipped += header["skipped"]
+        sums.append(header["channel_sums"] or stored_channel_sums(out / shard_name(k)))
+    latent_mean, latent_std = latent_statistics(sums)
     meta = {
         "format": FORMAT,
         "vae": json.loads(settings["vae"]),
@@ -169,6 +175,8 @@ def write_metadata(out: Path, num_shards: int, settings: dict, latent_shape) -> 
         "scaling_factor": json.loads(settings["scaling_factor"]),
         "image_size": json.loads(settings["image_size"]),
         "latent_shape": list(latent_shape),
+        "latent_mean": latent_mean,  # per channel, over every posterior draw (both views): data.latent_norm's
+        "latent_std": latent_std,
         "dtype": json.loads(settings["dtype"]),
         "views": ["image", "hflip"],
         "images": json.loads(settings.get("images", "false")),
@@ -191,6 +199,10 @@ def extract(args) -> dict:
     accelerator = Accelerator(cpu=not cuda_available())  # cpu=True joins a gloo group under torchrun
     rank, world = accelerator.process_index, accelerator.num_processes
     vae = load_vae(args.vae, allow_download=args.allow_download, download_flag="--allow-download")
+    factor = vae_downsampling(vae.config)
+    if args.image_size % factor:
+        raise ExtractionError(f"--image-size {args.image_size} is not a multiple of {factor}, the downsampling of --vae "
+                              f"{args.vae} (2^(blocks - 1)): choose a multiple of {factor}")
     vae_sha256 = weights_fingerprint(vae.state_dict())  # a VAE replaced at the same path must not resume
     vae = vae.to(accelerator.device).eval()
     out = Path(args.out)
@@ -209,7 +221,7 @@ def extract(args) -> dict:
         f"over {world} process(es); process 0 has {len(mine) - len(todo)} of its {len(mine)} shards done already"
     )
 
-    latent_hw = args.image_size // 2 ** (len(vae.config.block_out_channels) - 1)
+    latent_hw = args.image_size // factor
     latent_shape = (vae.config.latent_channels, latent_hw, latent_hw)
     store = STORE_DTYPES[args.dtype]
     bar = tqdm(

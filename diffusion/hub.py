@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from diffusers import ConfigMixin, DiTTransformer2DModel, ModelMixin
 from diffusers.configuration_utils import register_to_config
+from timm.layers import GluMlp
 
 from diffusion.models import DiT
 from diffusion.spec import DiTSpec
@@ -39,12 +40,13 @@ class DiTModel(DiT, ModelMixin, ConfigMixin):
                  input_size: int, num_classes: int, autoencoder: str, num_timesteps: int, beta_start: float,
                  beta_end: float, model_kwargs: Optional[Dict[str, Any]] = None, vae_sha256: Optional[str] = None,
                  vae_scaling_factor: Optional[float] = None, class_names: Optional[List[str]] = None,
-                 transport: Optional[Dict[str, Any]] = None):
+                 transport: Optional[Dict[str, Any]] = None, latent_norm: Optional[Dict[str, Any]] = None):
         spec = DiTSpec(name=name, topology=topology, learn_sigma=learn_sigma, class_dropout_prob=class_dropout_prob,
                        in_channels=in_channels, input_size=input_size, num_classes=num_classes,
                        autoencoder=autoencoder, num_timesteps=num_timesteps, beta_start=beta_start,
                        beta_end=beta_end, kwargs=dict(model_kwargs or {}), vae_sha256=vae_sha256,
-                       vae_scaling_factor=vae_scaling_factor, class_names=class_names, transport=transport)
+                       vae_scaling_factor=vae_scaling_factor, class_names=class_names, transport=transport,
+                       latent_norm=latent_norm)
         super().__init__(**spec.dit_kwargs())
         self.spec = spec
 
@@ -75,16 +77,28 @@ def exact_timesteps(transformer: DiTTransformer2DModel) -> DiTTransformer2DModel
     return transformer
 
 
+def backbone_switches(model: DiT) -> List[str]:
+    """The backbone switches a DiT has on (LightningDiT's, :class:`diffusion.models.DiTBlock`), none for the
+    published DiT."""
+    block = model.blocks[0]
+    found = {"norm=rmsnorm": isinstance(model.final_layer.norm_final, torch.nn.RMSNorm),
+             "mlp=swiglu": isinstance(block.mlp, GluMlp), "rope": model.rope is not None,
+             "qk_norm": not isinstance(block.attn.q_norm, torch.nn.Identity), "wo_shift": block.modulations == 4}
+    return [name for name, on in found.items() if on]
+
+
 def to_diffusers_transformer(model: DiT) -> DiTTransformer2DModel:
-    """A Pre-Norm DiT as diffusers' ``DiTTransformer2DModel``, same weights, outputs equal after
-    :func:`exact_timesteps` (applied here; a folder it is saved to loads with diffusers' own projection).
+    """A Pre-Norm DiT with DiT's own backbone as diffusers' ``DiTTransformer2DModel``, same weights, outputs equal
+    after :func:`exact_timesteps` (applied here; a folder it is saved to loads with diffusers' own projection).
 
     diffusers keeps a copy of the timestep and label embedders in every block (its final layer reads block 0's),
     splits the fused ``qkv`` projection and always holds a null-class row in the label table (a zero row is added
     for a model trained without label dropout).
     """
-    if model.topology != "pre":
-        raise ValueError(f"diffusers' DiTTransformer2DModel is the Pre-Norm DiT; a {model.topology!r} DiT is shared as "
+    if model.topology != "pre" or backbone_switches(model):
+        switches = ", ".join(backbone_switches(model))
+        what = f"a {model.topology!r} DiT" if model.topology != "pre" else f"a DiT with {switches}"
+        raise ValueError(f"diffusers' DiTTransformer2DModel is the published Pre-Norm DiT; {what} is shared as "
                          "DiTModel (python -m diffusion.export --format hub)")
     hidden, heads = model.pos_embed.shape[-1], model.blocks[0].attn.num_heads
     transformer = DiTTransformer2DModel(

@@ -15,6 +15,10 @@ Every shard also carries, in its header, the settings it was made with (the VAE,
 **scaling factor**, the resolution, the classes, ...). :class:`LatentDataset` checks each shard against
 ``metadata.json`` before training, so an edited or mismatched ``metadata.json`` cannot make a run train at
 another scale than the one its latents were made with.
+
+A shard's header also holds its per-channel sums of the posterior draws (:func:`channel_sums`), from which
+``metadata.json`` states the latents' per-channel mean and std (``latent_mean``, ``latent_std``:
+:func:`latent_statistics`), for LightningDiT's normalisation (:class:`LatentScaling`).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import os
 import warnings
 from bisect import bisect_right
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -66,16 +70,36 @@ def load_vae(path_or_id: str = DEFAULT_VAE, allow_download: bool = False, option
     has one."""
     from diffusers import AutoencoderKL
 
+    return _from_vae_source(AutoencoderKL.from_pretrained, path_or_id, allow_download, option, download_flag)
+
+
+def load_vae_config(path_or_id: str, option: str = "--vae") -> dict:
+    """The ``config.json`` of the VAE :func:`load_vae` would load, without its weights."""
+    from diffusers import AutoencoderKL
+
+    return dict(_from_vae_source(AutoencoderKL.load_config, path_or_id, False, option, None))
+
+
+def vae_downsampling(config) -> int:
+    """How many pixels one latent stands for along a side: ``2 ** (blocks - 1)`` of an ``AutoencoderKL`` config
+    (the SD VAE's 4 blocks: 8; LightningDiT's VA-VAE f16d32, 5 blocks: 16)."""
+    blocks = config["block_out_channels"] if isinstance(config, dict) else config.block_out_channels
+    return 2 ** (len(blocks) - 1)
+
+
+def _from_vae_source(load, path_or_id: str, allow_download: bool, option: str, download_flag: Optional[str]):
+    """``load(...)`` (diffusers' ``from_pretrained`` or ``load_config``) of a VAE folder, a pipeline folder's
+    ``vae/``, or a cached Hugging Face id; one line naming ``option`` when there is none."""
     path = Path(path_or_id).expanduser()
     try:
         if path.is_dir():
             subfolder = "vae" if not (path / "config.json").exists() and (path / "vae" / "config.json").exists() else None
-            return AutoencoderKL.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+            return load(str(path), subfolder=subfolder, local_files_only=True)
         if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") > 1:  # a path, not a hub id
             raise OSError(f"directory {path} does not exist")
         with warnings.catch_warnings():  # diffusers still passes an argument huggingface_hub >= 1 ignores
             warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")
-            return AutoencoderKL.from_pretrained(path_or_id, local_files_only=not allow_download)
+            return load(path_or_id, local_files_only=not allow_download)
     except (OSError, ValueError) as err:
         from huggingface_hub.constants import HF_HUB_CACHE
 
@@ -101,12 +125,42 @@ def encode_moments(vae, images: torch.Tensor):
     return stack(dist.mean), stack(dist.logvar)
 
 
-def latent_from_moments(mean: torch.Tensor, logvar: torch.Tensor, noise: torch.Tensor, scale: float) -> torch.Tensor:
-    """A draw from the posterior, scaled: ``scale * (mean + exp(logvar / 2) * noise)``."""
-    return scale * (mean + torch.exp(0.5 * logvar) * noise)
+class LatentScaling:
+    """What training does to a VAE latent ``z`` and sampling undoes before the decoder: the VAE's scaling factor,
+    ``f z`` (DiT's 0.18215); or, with ``norm`` (``{"mean", "std", "multiplier"}``, the per-channel statistics
+    :func:`latent_statistics` gives), LightningDiT's normalisation ``(z - mean_c) / std_c * multiplier``, undone
+    as its inference.py does, ``x * std_c / multiplier + mean_c``."""
+
+    def __init__(self, scaling_factor: float, norm: Optional[dict] = None):
+        self.scaling_factor, self.norm = float(scaling_factor), norm
+        if norm is not None:
+            self.mean = torch.tensor(norm["mean"], dtype=torch.float32).view(-1, 1, 1)
+            self.std = torch.tensor(norm["std"], dtype=torch.float32).view(-1, 1, 1)
+            self.multiplier = float(norm["multiplier"])
+
+    def apply(self, z: torch.Tensor) -> torch.Tensor:
+        """A VAE latent ``(..., C, h, w)`` -> what the DiT trains on."""
+        if self.norm is None:
+            return self.scaling_factor * z
+        return (z - self.mean.to(z)) / self.std.to(z) * self.multiplier
+
+    def undo(self, x: torch.Tensor) -> torch.Tensor:
+        """What the DiT samples -> the VAE latent its decoder takes."""
+        if self.norm is None:
+            return x / self.scaling_factor
+        return x * self.std.to(x) / self.multiplier + self.mean.to(x)
 
 
-def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor, noise: torch.Tensor, scale: float):
+def latent_from_moments(mean: torch.Tensor, logvar: torch.Tensor, noise: torch.Tensor,
+                        scale: Union[float, LatentScaling]) -> torch.Tensor:
+    """A draw from the posterior, scaled: ``scale * (mean + exp(logvar / 2) * noise)`` (a :class:`LatentScaling`:
+    its :meth:`~LatentScaling.apply` of the draw)."""
+    scaling = scale if isinstance(scale, LatentScaling) else LatentScaling(scale)
+    return scaling.apply(mean + torch.exp(0.5 * logvar) * noise)
+
+
+def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor, noise: torch.Tensor,
+                   scale: Union[float, LatentScaling]):
     """A fresh scaled latent per sample: view ``flip`` (bool, B) of the stored moments (B, 2, C, h, w),
     ``scale * (mean + exp(logvar / 2) * noise)``."""
     rows = torch.arange(mean.shape[0], device=mean.device)
@@ -114,9 +168,11 @@ def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor,
     return latent_from_moments(mean[rows, view].float(), logvar[rows, view].float(), noise, scale)
 
 
-def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True, with_image: bool = False):
+def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True, with_image: bool = False,
+                scaling: Optional[LatentScaling] = None):
     """A fresh training latent of image ``i`` and its label: ``(latent (C, h, w), label)``; ``with_image`` appends the
-    stored pixels of the same view (uint8 (3, S, S), mirrored with the latent).
+    stored pixels of the same view (uint8 (3, S, S), mirrored with the latent). ``scaling``: the VAE's scaling factor
+    the latents record unless given (LightningDiT's normalisation, :class:`LatentScaling`).
 
     Draws the flip (view 1, the mirror, with probability 1/2 when ``hflip``), reads only that view's moments
     (:meth:`LatentDataset.read_view`, half the bytes), then draws the noise: the same torch draws in the same
@@ -126,8 +182,34 @@ def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True, with_image
     flip = bool(torch.rand(1) < 0.5) if hflip else False
     mean, logvar, label = moments.read_view(i, int(flip))
     noise = torch.randn(mean.shape)
-    latent = latent_from_moments(mean, logvar, noise, moments.scaling_factor)
+    latent = latent_from_moments(mean, logvar, noise, scaling or moments.scaling_factor)
     return (latent, label, moments.read_image(i, int(flip))) if with_image else (latent, label)
+
+
+# ------------------------------------------------------------------------------------ per-channel statistics
+CHANNEL_SUMS = "channel_sums"  # the shard header entry of :func:`channel_sums`
+
+
+def channel_sums(mean: torch.Tensor, logvar: torch.Tensor) -> dict:
+    """A shard's share of the latents' per-channel statistics: over its posteriors ``(N, 2 views, C, h, w)`` and
+    every position, the count of draws per channel and, in float64, the sums of their expectation ``E z = mean``
+    and of their second moment ``E z^2 = mean^2 + exp(logvar)``."""
+    mean, var = mean.double(), logvar.double().exp()
+    dims = (0, 1, 3, 4)
+    return {"count": mean.numel() // mean.shape[2] if mean.numel() else 0, "sum": mean.sum(dims).tolist(),
+            "sum_sq": (mean ** 2 + var).sum(dims).tolist()}
+
+
+def latent_statistics(shard_sums: Sequence[dict]) -> Tuple[Optional[list], Optional[list]]:
+    """``(mean, std)`` per channel of the posterior draws of every latent (both views), from the shards'
+    :func:`channel_sums`: the mean of ``E z`` and ``sqrt(E z^2 - mean^2)`` (the law of total variance: the spread of
+    the posterior means plus the posteriors' own variance). ``(None, None)`` without any latent."""
+    count = sum(s["count"] for s in shard_sums)
+    if count == 0:
+        return None, None
+    first = np.sum([s["sum"] for s in shard_sums if s["count"]], axis=0) / count
+    second = np.sum([s["sum_sq"] for s in shard_sums if s["count"]], axis=0) / count
+    return first.tolist(), np.sqrt(np.maximum(second - first ** 2, 0.0)).tolist()
 
 
 # ------------------------------------------------------------------------------------------- shards
@@ -180,7 +262,7 @@ class LatentDataset(Dataset):
         self.classes = list(meta["classes"])
         listed = [s for s in meta["shards"] if s["count"] > 0]
         self.files = [self.root / s["file"] for s in listed]
-        counts, labels = [], []
+        counts, labels, sums = [], [], []
         for f, entry in zip(self.files, listed):
             if not f.is_file():
                 raise InputNotFoundError(f"{f} listed in {self.root / METADATA_FILE} is missing; "
@@ -194,6 +276,8 @@ class LatentDataset(Dataset):
                 raise LatentsError(f"{f} is damaged or truncated ({detail}); {rerun_hint(self.root, meta)}") from None
             self._check_shard(f, settings, len(labels[-1]), entry["count"])
             counts.append(len(labels[-1]))
+            sums.append(json.loads(settings[CHANNEL_SUMS]) if CHANNEL_SUMS in settings else None)
+        self._check_statistics(sums)
         self.labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
         self.offsets = np.cumsum([0] + counts).tolist()
         self._handles: dict = {}
@@ -214,6 +298,31 @@ class LatentDataset(Dataset):
         if count != listed:
             raise LatentsError(f"{path} holds {count} latents, {self.root / METADATA_FILE} lists {listed}: they belong "
                                f"to different extractions; {rerun_hint(self.root, meta)}")
+
+    def _check_statistics(self, shard_sums: Sequence[Optional[dict]]) -> None:
+        """The per-channel statistics metadata.json states must be those of its shards (a normalised run trains on
+        them); shards extracted before their sums were recorded are not checked."""
+        meta = self.metadata
+        if meta.get("latent_mean") is None or not shard_sums or None in shard_sums:
+            return
+        mean, std = latent_statistics(shard_sums)
+        if (mean, std) != (meta["latent_mean"], meta["latent_std"]):
+            raise LatentsError(f"{self.root / METADATA_FILE} states other per-channel latent statistics than its "
+                               f"shards give (latent_mean {meta['latent_mean'][:2]}... vs {mean[:2]}...): it was edited "
+                               f"or belongs to another extraction, and data.latent_norm would normalise with them. "
+                               f"Restore metadata.json (re-running the extraction into {self.root} rewrites it from "
+                               "the shards), or extract again into a new --out")
+
+    def normalization(self, multiplier: float) -> dict:
+        """LightningDiT's ``latent_norm`` of these latents: their per-channel ``mean`` and ``std`` (metadata.json)
+        and ``multiplier``, as :class:`LatentScaling` and a model's description take it."""
+        meta = self.metadata
+        if meta.get("latent_mean") is None:
+            raise LatentsError(f"data.latent_norm needs the latents' per-channel statistics, which "
+                               f"{self.root / METADATA_FILE} lacks (extracted before they were recorded): re-run the "
+                               f"extraction that made them into {self.root} (it computes them from the shards without "
+                               "encoding again), or set data.latent_norm=false")
+        return {"mean": meta["latent_mean"], "std": meta["latent_std"], "multiplier": float(multiplier)}
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -283,13 +392,15 @@ def write_shard(path: Path, mean, logvar, labels, indices, skipped: Sequence[str
     }
     if images is not None:
         tensors["image"] = images.contiguous()
-    meta = dict(settings, skipped=json.dumps(list(skipped)))
+    sums = channel_sums(tensors["mean"], tensors["logvar"])
+    meta = dict(settings, skipped=json.dumps(list(skipped)), **{CHANNEL_SUMS: json.dumps(sums)})
     with atomic_write(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
 
 
 def read_shard_header(path: Path) -> Optional[dict]:
-    """Settings, count and skipped files of a finished shard; ``None`` if absent or unreadable."""
+    """Settings, count, skipped files and :func:`channel_sums` (None in shards written before they were recorded) of
+    a finished shard; ``None`` if absent or unreadable."""
     from safetensors import safe_open
 
     try:
@@ -299,4 +410,13 @@ def read_shard_header(path: Path) -> Optional[dict]:
     except Exception:  # noqa: BLE001 -- any unreadable shard is simply recomputed
         return None
     skipped = json.loads(meta.pop("skipped", "[]"))
-    return {"settings": meta, "count": count, "skipped": skipped}
+    sums = meta.pop(CHANNEL_SUMS, None)
+    return {"settings": meta, "count": count, "skipped": skipped, "channel_sums": json.loads(sums) if sums else None}
+
+
+def stored_channel_sums(path: Path) -> dict:
+    """:func:`channel_sums` of a shard read in full (one whose header does not record them)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return channel_sums(tensors["mean"], tensors["logvar"])

@@ -26,7 +26,8 @@ from diffusers import (AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTrans
 
 from common.topologies import topology_modules
 from diffusion.gaussian_diffusion import GaussianDiffusion
-from diffusion.hub import DiTModel, exact_timesteps, to_diffusers_transformer
+from diffusion.hub import DiTModel, backbone_switches, exact_timesteps, to_diffusers_transformer
+from diffusion.latents import LatentScaling
 from diffusion.models import DiT, guide
 from diffusion.spec import DiTSpec
 from diffusion.sampler import (SAMPLERS, SamplingError, guided_fn, model_fn_for, resolve_guided_channels,
@@ -77,18 +78,23 @@ def write_remote_code(folder: Path, custom_transformer: bool) -> str:
 
 
 class DiTSamplingPipeline(DiffusionPipeline):
-    """A class-conditional DiT, its schedule (a ``DDPMScheduler`` config) and its VAE (None: pixel space)."""
+    """A class-conditional DiT, its schedule (a ``DDPMScheduler`` config), its VAE (None: pixel space) and how its
+    latents were scaled for the VAE (``latent_norm``, in ``model_index.json``)."""
 
     model_cpu_offload_seq = "transformer->vae"
     _optional_components = ["vae"]
 
-    def __init__(self, transformer: ModelMixin, scheduler: DDPMScheduler, vae: Optional[AutoencoderKL] = None):
+    def __init__(self, transformer: ModelMixin, scheduler: DDPMScheduler, vae: Optional[AutoencoderKL] = None,
+                 latent_norm: Optional[dict] = None):
         """``transformer``: diffusers' ``DiTTransformer2DModel`` (a Pre-Norm DiT) or :class:`DiTModel` (any
-        topology; typed as their common base, since a folder's shipped code defines its own DiTModel class)."""
+        topology; typed as their common base, since a folder's shipped code defines its own DiTModel class).
+        ``latent_norm``: LightningDiT's per-channel normalisation the model was trained with (``{"mean", "std",
+        "multiplier"}``, undone before the VAE decodes); None: the VAE's scaling factor."""
         super().__init__()
         if isinstance(transformer, DiTTransformer2DModel):
             exact_timesteps(transformer)
         self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
+        self.register_to_config(latent_norm=latent_norm)
 
     @classmethod
     def from_dit(cls, model: DiT, spec: DiTSpec, vae: Optional[AutoencoderKL] = None) -> "DiTSamplingPipeline":
@@ -97,8 +103,9 @@ class DiTSamplingPipeline(DiffusionPipeline):
             raise SamplingError("this model was trained with SiT's transport, and the pipeline samples DDPM: share it "
                                 "with --format hub (its config records the transport) and sample it with "
                                 "python -m diffusion.sample")
-        transformer = to_diffusers_transformer(model) if spec.topology == "pre" else DiTModel.from_dit(model, spec)
-        return cls(transformer, scheduler_for(spec), vae)
+        native = spec.topology == "pre" and not backbone_switches(model)
+        transformer = to_diffusers_transformer(model) if native else DiTModel.from_dit(model, spec)
+        return cls(transformer, scheduler_for(spec), vae, spec.latent_norm)
 
     def save_config(self, save_directory, *args, **kwargs):
         """``model_index.json``, plus the code that loads and runs the folder where this project is not installed:
@@ -163,7 +170,8 @@ class DiTSamplingPipeline(DiffusionPipeline):
         if output_type == "latent":
             images = latents
         else:
-            decoded = latents if self.vae is None else self.vae.decode(latents / self.vae.config.scaling_factor).sample
+            scaling = None if self.vae is None else LatentScaling(self.vae.config.scaling_factor, self.config.latent_norm)
+            decoded = latents if scaling is None else self.vae.decode(scaling.undo(latents)).sample
             images = (decoded.float() / 2 + 0.5).clamp(0, 1)
             if output_type != "pt":
                 images = images.cpu().permute(0, 2, 3, 1).numpy()

@@ -15,8 +15,8 @@
 Checkpoints: ``.safetensors`` written by diffusion.train (the model, its diffusion schedule and class names are
 rebuilt from the metadata inside), training checkpoints ``step_*.pt`` (EMA weights unless ``--weights model``), a
 folder of ``python -m diffusion.export --format hub``, or plain state dicts such as the official DiT ones (then
-``--model`` and ``--image-size`` are needed; they sample with DiT's schedule). The VAE (``--vae``) defaults to the one
-the model was trained with; ``--vae none`` for pixel-space models.
+``--model`` is needed; the latents' channels and size are read off the weights; they sample with DiT's schedule).
+The VAE (``--vae``) defaults to the one the model was trained with; ``--vae none`` for pixel-space models.
 
 A model trained with SiT's transport (``transport.enabled``, or SiT's own checkpoints: ``--model SiT-XL/2``) is
 sampled by SiT's samplers: ``--sampler sde-euler`` (the default, SiT's FID setting: ``--steps 250``, diffusion
@@ -193,7 +193,9 @@ def parse_args(argv=None):
     m.add_argument("--prediction", choices=PREDICTIONS, default=None, help="a transport model's prediction")
     m.add_argument("--topology", default=None, help=f"one of {', '.join(topology_names('dit'))} (pre: the "
                                                     "published DiT)")
-    m.add_argument("--image-size", type=int, default=None, help="image size in pixels (latents: /8)")
+    m.add_argument("--image-size", type=int, default=None,
+                   help="image size in pixels (latents: divided by the VAE's downsampling, 2^(blocks - 1): 8 for the "
+                        "SD VAE, 16 for LightningDiT's VA-VAE); without it the weights' position table gives the size")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
     p.add_argument("--device", default=None, help="default: this process's accelerator device")
@@ -295,7 +297,7 @@ def main(argv=None) -> Optional[dict]:
         args.guided_channels = resolve_guided_channels(args.guided_channels, spec.in_channels, "--guided-channels")
         args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
         objective, flow = build_objective(args, spec)
-        decoder = Decoder(spec.autoencoder, device, expect=vars(spec))
+        decoder = Decoder(spec.autoencoder, device, expect=vars(spec), latent_norm=spec.latent_norm)
         from common.trainer import resolve_compile
 
         compile_ = resolve_compile({"yes": True, "no": False}.get(args.compile, args.compile), torch.device(device))

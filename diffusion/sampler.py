@@ -31,7 +31,7 @@ from common.cli import InputError
 from common.data import pad_batch
 from common.durable import atomic_savez, atomic_write, atomic_write_text
 from common.preemption import stoppable_rounds
-from diffusion.latents import load_vae
+from diffusion.latents import LatentScaling, load_vae
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, sde_step_size, shift_times, times
 
 if TYPE_CHECKING:  # timm, diffusers, torch-fidelity: imported where they are used (the command line needs none)
@@ -404,7 +404,9 @@ class VAEMismatchError(SamplingError):
 
 
 class Decoder:
-    """Model outputs -> uint8 images ``[B, C, H, W]``: through the VAE (``x / scaling_factor``) or as pixels.
+    """Model outputs -> uint8 images ``[B, C, H, W]``: through the VAE (``x / scaling_factor``, or with
+    ``latent_norm``, the model's record of LightningDiT's per-channel normalisation, ``x * std / multiplier + mean``:
+    :class:`~diffusion.latents.LatentScaling`) or as pixels.
 
     ``expect`` (``vae``, ``vae_sha256``, ``vae_scaling_factor``, as the latents' metadata and the model's weights
     record them) is checked against the loaded VAE: decoding with another VAE gives wrong images without an error.
@@ -413,7 +415,8 @@ class Decoder:
     """
 
     def __init__(self, autoencoder: str, device, option: str = "--vae", expect: Optional[dict] = None,
-                 nonfinite: str = "raise", made_with: str = "the model was trained on"):
+                 nonfinite: str = "raise", made_with: str = "the model was trained on",
+                 latent_norm: Optional[dict] = None):
         self.vae, self.scaling_factor, self.fingerprint = None, 1.0, None
         self.nonfinite, self.nonfinite_images = nonfinite, 0
         if autoencoder != "none":
@@ -422,6 +425,7 @@ class Decoder:
             self.scaling_factor = float(vae.config.scaling_factor)
             self._check(autoencoder, option, expect or {}, made_with)
             self.vae = vae.to(device).eval().requires_grad_(False)
+        self.scaling = LatentScaling(self.scaling_factor, latent_norm)
 
     def _check(self, autoencoder: str, option: str, expect: dict, made_with: str) -> None:
         want_scale, want_sha = expect.get("vae_scaling_factor"), expect.get("vae_sha256")
@@ -444,7 +448,7 @@ class Decoder:
     @torch.no_grad()
     def __call__(self, x: Tensor) -> Tensor:
         if self.vae is not None:
-            x = self.vae.decode(x / self.scaling_factor).sample
+            x = self.vae.decode(self.scaling.undo(x)).sample
         x = x.float()
         if self.nonfinite == "black":
             finite = torch.isfinite(x)

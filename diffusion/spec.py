@@ -1,6 +1,6 @@
 """A DiT's description, :class:`DiTSpec`: everything that rebuilds a DiT around its weights and samples it as it was
-trained (model name and sizes, topology, channels, classes, the VAE, the diffusion schedule), built, written into
-checkpoint metadata and read back in one place. :mod:`diffusion.checkpoints` reads it out of each checkpoint format.
+trained (model name and sizes, topology, the latents' channels and size, classes, the VAE and how latents were scaled
+for it, the diffusion schedule), built, written into checkpoint metadata and read back in one place. :mod:`diffusion.checkpoints` reads it out of each checkpoint format.
 """
 from __future__ import annotations
 
@@ -71,11 +71,16 @@ class DiTSpec:
     vae_scaling_factor: Optional[float] = None
     class_names: Optional[List[str]] = None  # one per class (WordNet ids, folder names), if recorded
     transport: Optional[Dict[str, Any]] = None  # SiT's transport it was trained with (Transport.description()); None: DDPM
+    latent_norm: Optional[Dict[str, Any]] = None  # LightningDiT's per-channel normalisation of its latents ({"mean", "std", "multiplier"}); None: the VAE's scaling factor
 
     def __post_init__(self):
         check_dit_arguments(self.name, self.topology, self.class_dropout_prob, self.kwargs, where="")
         if self.class_names is not None and len(self.class_names) != self.num_classes:
             raise InputError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+        if self.latent_norm is not None and not (len(self.latent_norm["mean"]) == len(self.latent_norm["std"])
+                                                 == self.in_channels):
+            raise InputError(f"latent_norm holds {len(self.latent_norm['mean'])} channel means and "
+                             f"{len(self.latent_norm['std'])} stds for a model of {self.in_channels} channels")
 
     @classmethod
     def published(cls, name: str, **values) -> "DiTSpec":
@@ -119,6 +124,8 @@ class DiTSpec:
             values["class_names"] = json.dumps(self.class_names)
         if self.transport is not None:
             values["transport"] = json.dumps(self.transport)
+        if self.latent_norm is not None:
+            values["latent_norm"] = json.dumps(self.latent_norm)
         return {k: str(v) for k, v in {**values, **extra}.items() if v is not None}
 
     @staticmethod
@@ -134,19 +141,20 @@ class DiTSpec:
                    "num_timesteps": ("num_timesteps", int), "beta_start": ("beta_start", float),
                    "beta_end": ("beta_end", float), "vae_sha256": ("vae_sha256", str),
                    "vae_scaling_factor": ("vae_scaling_factor", float), "class_names": ("class_names", json.loads),
-                   "transport": ("transport", json.loads)}
+                   "transport": ("transport", json.loads), "latent_norm": ("latent_norm", json.loads)}
         return {field: fn(meta[key]) for key, (field, fn) in convert.items() if key in meta}
 
     @staticmethod
     def from_train_config(config: Dict[str, Any], sample_shape: Optional[Sequence[int]] = None,
                           vae: Optional[Dict[str, Any]] = None, class_names: Optional[Sequence[str]] = None
                           ) -> Dict[str, Any]:
-        """The fields of a diffusion.train config (as a dict). Without ``sample_shape`` (a training checkpoint read
-        later) the sample shape follows from the data: pixels of ``image_size``, or latents of the 8x SD VAE."""
+        """The fields of a diffusion.train config (as a dict), with the training data's ``sample_shape`` and ``vae``
+        (:func:`diffusion.task.latent_vae`: the VAE and how its latents were scaled). Without ``sample_shape`` (the
+        config of a training checkpoint that records nothing else) pixels have the config's ``image_size``, and
+        latents no shape: their VAE's downsampling and channels are the data's, not the config's."""
         model, data, schedule = config.get("model", {}), config.get("data", {}), config.get("diffusion", {})
-        if sample_shape is None and "image_size" in data:
-            pixel = data.get("dataset") == "fashion_mnist"
-            sample_shape = (1, data["image_size"]) if pixel else (4, data["image_size"] // 8)
+        if sample_shape is None and "image_size" in data and data.get("dataset") == "fashion_mnist":
+            sample_shape = (1, data["image_size"])
         found = {"name": model.get("name"), "topology": model.get("topology"), "learn_sigma": model.get("learn_sigma"),
                  "class_dropout_prob": model.get("class_dropout_prob"), "kwargs": model.get("kwargs"),
                  "num_classes": data.get("num_classes"), "autoencoder": data.get("autoencoder"),
@@ -158,7 +166,7 @@ class DiTSpec:
             found["transport"] = transport_from_config(config["transport"]).description()
         if sample_shape is not None:
             found.update(in_channels=int(sample_shape[0]), input_size=int(sample_shape[1]))
-        found.update({k: (vae or {}).get(k) for k in ("vae_sha256", "vae_scaling_factor")})
+        found.update({k: (vae or {}).get(k) for k in ("vae_sha256", "vae_scaling_factor", "latent_norm")})
         return {k: v for k, v in found.items() if v is not None}
 
     @classmethod

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Dict, List, Literal, Optional, Tuple
 
 import numpy as np
 import torch
@@ -75,9 +75,13 @@ class TransportConfig:
     time_distribution: Optional[Literal["uniform", "logit_normal"]] = None  # training t; null: SiT's uniform, or LightningDiT's logit_normal
     logit_normal_mean: Optional[Annotated[float, Range()]] = None  # t = sigmoid(mean + std * N(0, 1)); required for logit_normal
     logit_normal_std: Optional[Annotated[float, Range(gt=0)]] = None
+    cosine_loss_weight: Annotated[float, Range(ge=0)] = 0.0  # LightningDiT's velocity-direction term w * (1 - cos(pred, u_t)) added to the MSE (its use_cosine_loss: 1); velocity prediction only
 
     def __post_init__(self):
         if not self.enabled:
+            if self.cosine_loss_weight:
+                raise ConfigError("transport.cosine_loss_weight is a term of the transport's velocity loss: set "
+                                  "transport.enabled=true, or transport.cosine_loss_weight=0")
             return
         missing = [k for k in ("logit_normal_mean", "logit_normal_std") if getattr(self, k) is None]
         if self.time_distribution == "logit_normal" and missing:
@@ -124,6 +128,8 @@ class RunConfig(trainer.RunConfig):
     sample_steps: Annotated[int, Range(ge=1)]  # respaced DDPM steps (transport: SiT's num_steps, the time grid's points) for the grids
     sampler: Optional[str] = None  # grids and FID; null: ddpm (DDPM) or sde-euler (transport); else diffusion.sample's --sampler
     sample_cfg_scale: Annotated[float, Range(ge=0)] = 1.0  # classifier-free guidance for the grids (1 = none)
+    sample_guidance_interval: Optional[Tuple[Annotated[float, Range(ge=0, le=1)], Annotated[float, Range(ge=0, le=1)]]] = None  # transport grids: guide only at LOW <= t <= HIGH (LightningDiT's [0.1, 1]); null: always
+    sample_timestep_shift: Annotated[float, Range(ge=0)] = 0.0  # transport ODE samplers, grids and FID: LightningDiT's time grid warp s t / (1 + (s - 1) t) (its 0.3); 0: none
     fid_every: Annotated[int, Range(ge=0)] = 0  # Frechet distance of EMA samples every N steps (and at the end); 0 = never
     fid_samples: Annotated[int, Range(ge=2, why="a covariance needs two samples")]  # images generated per evaluation (class i % num_classes, as diffusion.sample)
     fid_steps: Annotated[int, Range(ge=1)]  # respaced DDPM steps (transport: the time grid's points), no guidance
@@ -172,6 +178,17 @@ class TrainConfig:
             kind = "transport" if self.transport.enabled else "DDPM"
             raise ConfigError(f"train.sampler={self.train.sampler!r} does not sample a {kind} model; choose one of "
                              f"{', '.join(allowed)} (null: {'sde-euler' if self.transport.enabled else 'ddpm'})")
+        flow = {"train.sample_timestep_shift": self.train.sample_timestep_shift,
+                "train.sample_guidance_interval": self.train.sample_guidance_interval}
+        if not self.transport.enabled and any(flow.values()):
+            raise ConfigError(f"{', '.join(k for k, v in flow.items() if v)}: a transport model's sampling settings "
+                              "(LightningDiT's); this run trains DDPM: set transport.enabled=true, or leave them unset")
+        if self.train.sample_timestep_shift and (self.train.sampler or "sde-euler").startswith("sde-"):
+            raise ConfigError("train.sample_timestep_shift warps an ODE's time grid: set train.sampler=euler "
+                              "(LightningDiT's), heun or dopri5, or train.sample_timestep_shift=0")
+        low, high = self.train.sample_guidance_interval or (0.0, 1.0)
+        if low > high:
+            raise ConfigError(f"train.sample_guidance_interval=[{low}, {high}]: LOW must not exceed HIGH (t = 1 is data)")
         if self.data.dataset == "latents" and self.data.autoencoder == "none" and (
                 self.train.sample_every or self.train.fid_every):
             raise ConfigError("sample grids and in-training FID of latents need data.autoencoder (the VAE that made "
@@ -183,11 +200,13 @@ class TrainConfig:
 
 
 def latent_vae(images) -> dict:
-    """The VAE the training latents were encoded with, as their metadata records it (empty for pixels)."""
+    """The VAE the training latents were encoded with, as their metadata records it, and LightningDiT's per-channel
+    normalisation when the run applies it (empty for pixels)."""
     meta = getattr(getattr(images, "moments", None), "metadata", None)
     if meta is None:
         return {}
-    return {"vae": meta.get("vae"), "vae_sha256": meta.get("vae_sha256"), "vae_scaling_factor": meta.get("scaling_factor")}
+    return {"vae": meta.get("vae"), "vae_sha256": meta.get("vae_sha256"), "vae_scaling_factor": meta.get("scaling_factor"),
+            "latent_norm": images.normalization}
 
 
 def model_spec(cfg: TrainConfig, images) -> DiTSpec:
@@ -210,7 +229,7 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
 
     try:
         return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
-                       made_with=f"the latents in {cfg.data.path} were encoded with")
+                       made_with=f"the latents in {cfg.data.path} were encoded with", latent_norm=expect.get("latent_norm"))
     except VAENotFoundError as err:
         if cfg.train.sample_every or cfg.train.fid_every:
             fix = "Or set train.sample_every=0 and train.fid_every=0 to train without sample grids and in-training FID."
@@ -220,12 +239,14 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
 
 
 def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int, seed: int,
-                  cfg_scale: float = 1.0, precision: str = "fp32", sampler: Optional[str] = None) -> Sampler:
+                  cfg_scale: float = 1.0, precision: str = "fp32", sampler: Optional[str] = None,
+                  **flow_options) -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
-    ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step."""
+    ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step. ``flow_options``:
+    a transport's :class:`~diffusion.sampler.FlowSampling` settings (timestep shift, guidance interval)."""
     from diffusion.sampler import Sampler, sampling_objective
 
-    objective, name, flow = sampling_objective(spec, steps, sampler)
+    objective, name, flow = sampling_objective(spec, steps, sampler, **flow_options)
     return Sampler(ema_model, spec, decoder, objective, name, cfg_scale=cfg_scale, seed=seed, device=str(device),
                    precision=precision, flow=flow)
 
@@ -326,8 +347,8 @@ class DiTTask(trainer.Task):
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.lr = cfg.optim.lr
-        if cfg.transport.enabled:
-            self.loss_parts = ("mse",)  # no variational bound: a learned-sigma network's second half is unused
+        if cfg.transport.enabled:  # no variational bound: a learned-sigma network's second half is unused
+            self.loss_parts = ("mse", "cos") if cfg.transport.cosine_loss_weight else ("mse",)
         if cfg.repa.weight:
             self.loss_parts = (*self.loss_parts, "repa")
         self.last_fid: dict = {}
@@ -421,14 +442,16 @@ class DiTTask(trainer.Task):
             return
         weights = ctx.ema_model if ctx.ema_model is not None else ctx.model
         decoder = self.decoder  # loaded in setup(), shared by both samplers
+        shift = {"timestep_shift": run.sample_timestep_shift} if run.sample_timestep_shift else {}
         if run.sample_every and main:
+            interval = {"guidance_interval": tuple(run.sample_guidance_interval)} if run.sample_guidance_interval else {}
             self.grid_sampler = build_sampler(self.spec, weights, device, decoder, run.sample_steps, run.seed,
-                                              run.sample_cfg_scale, sampler=run.sampler)
+                                              run.sample_cfg_scale, sampler=run.sampler, **shift, **interval)
             self.grid_names = class_names(cfg.data.num_classes, pixel=cfg.data.autoencoder == "none",
                                           names=self.spec.class_names)
         if run.fid_every:
             self.fid_sampler = build_sampler(self.spec, weights, device, decoder, run.fid_steps, run.seed,
-                                             precision=run.fid_precision, sampler=run.sampler)
+                                             precision=run.fid_precision, sampler=run.sampler, **shift)
 
     def after_step(self, ctx: trainer.StepContext) -> Optional[dict]:
         run, step = self.cfg.train, ctx.step

@@ -13,7 +13,9 @@ The network predicts the velocity ``u_t``, the noise ``x0`` or the score ``-x0 /
 that target, for noise and score weighted by nothing, by ``(D_t / sigma_t)^2`` ("velocity") or ``D_t / sigma_t^2``
 ("likelihood"), with ``D_t = (alpha'_t / alpha_t) sigma_t^2 - sigma_t sigma'_t`` the drift variance. Training times
 avoid the path's singular ends by ``train_eps`` and sampling times by ``sample_eps``, SiT's values by default.
-``t`` is drawn uniformly (SiT) or logit-normally (``sigmoid(N(m, s))``, LightningDiT).
+``t`` is drawn uniformly (SiT) or logit-normally (``sigmoid(N(m, s))``, LightningDiT). LightningDiT also adds, to a
+velocity model's MSE, ``w`` times its velocity-direction term ``1 - cos(pred, u_t)`` (cosine over the channels,
+mean over the positions).
 
 Sampling integrates from ``t = 0`` to 1. ODE: the velocity field (:meth:`Transport.velocity`), by fixed Euler or
 Heun steps (written here) or an adaptive solver (``torchdiffeq``, as SiT). SDE: ``dx = [v + w_t s] dt +
@@ -153,11 +155,14 @@ class Transport:
         train_eps, sample_eps: distance kept from the singular ends; ``None``: SiT's (:func:`default_eps`).
         time_distribution: ``uniform`` (SiT) or ``logit_normal`` (LightningDiT) training times.
         logit_normal_mean, logit_normal_std: its ``m`` and ``s`` (LightningDiT: 0 and 1).
+        cosine_loss_weight: the weight of LightningDiT's velocity-direction term (velocity prediction; its
+            ``use_cosine_loss``: 1); 0: none.
     """
 
     def __init__(self, path: str = "linear", prediction: str = "velocity", loss_weight: str = "none",
                  train_eps: Optional[float] = None, sample_eps: Optional[float] = None,
-                 time_distribution: str = "uniform", logit_normal_mean: float = 0.0, logit_normal_std: float = 1.0):
+                 time_distribution: str = "uniform", logit_normal_mean: float = 0.0, logit_normal_std: float = 1.0,
+                 cosine_loss_weight: float = 0.0):
         for name, value, allowed in (("path", path, PATHS), ("prediction", prediction, PREDICTIONS),
                                      ("loss_weight", loss_weight, LOSS_WEIGHTS),
                                      ("time_distribution", time_distribution, TIME_DISTRIBUTIONS)):
@@ -165,18 +170,24 @@ class Transport:
                 raise InputError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
         if logit_normal_std <= 0:
             raise InputError(f"logit_normal_std={logit_normal_std} must be positive")
+        if cosine_loss_weight < 0 or (cosine_loss_weight and prediction != "velocity"):
+            raise InputError(f"cosine_loss_weight={cosine_loss_weight}: LightningDiT's cosine term compares predicted "
+                             "and true velocities; give a weight >= 0, and > 0 only with prediction=velocity")
         self.path_name, self.prediction, self.loss_weight = path, prediction, loss_weight
         self.path = PATH_CLASSES[path]()
         self.train_eps, self.sample_eps = default_eps(path, prediction, train_eps, sample_eps)
         self.time_distribution = time_distribution
         self.logit_normal_mean, self.logit_normal_std = logit_normal_mean, logit_normal_std
+        self.cosine_loss_weight = cosine_loss_weight
 
     def description(self) -> Dict[str, object]:
-        """What a checkpoint records of its objective (the model's metadata; :meth:`from_description` reads it)."""
-        return {"path": self.path_name, "prediction": self.prediction, "loss_weight": self.loss_weight,
-                "train_eps": self.train_eps, "sample_eps": self.sample_eps,
-                "time_distribution": self.time_distribution, "logit_normal_mean": self.logit_normal_mean,
-                "logit_normal_std": self.logit_normal_std}
+        """What a checkpoint records of its objective (the model's metadata; :meth:`from_description` reads it); the
+        cosine term only when it is on."""
+        described = {"path": self.path_name, "prediction": self.prediction, "loss_weight": self.loss_weight,
+                     "train_eps": self.train_eps, "sample_eps": self.sample_eps,
+                     "time_distribution": self.time_distribution, "logit_normal_mean": self.logit_normal_mean,
+                     "logit_normal_std": self.logit_normal_std}
+        return {**described, "cosine_loss_weight": self.cosine_loss_weight} if self.cosine_loss_weight else described
 
     @classmethod
     def from_description(cls, values: Dict[str, object]) -> "Transport":
@@ -224,7 +235,9 @@ class Transport:
 
     def training_losses(self, model: Callable[..., Tensor], x1: Tensor, t: Tensor, noise: Tensor,
                         model_kwargs: Optional[dict] = None) -> Dict[str, Tensor]:
-        """Per-sample ``loss`` (= ``mse``) of data ``x1`` at times ``t`` (:meth:`training_times`) with noise ``x0``.
+        """Per-sample ``loss`` of data ``x1`` at times ``t`` (:meth:`training_times`) with noise ``x0``: the ``mse``
+        plus, with ``cosine_loss_weight``, that weight times ``cos``, ``1 - cos(pred, u_t)`` over the channels,
+        averaged over the positions (LightningDiT's ``cos_loss``).
 
         ``model(x_t, t, **model_kwargs)`` is called once; of a learned-sigma network's ``2C`` channels the first
         ``C`` are the prediction (SiT's checkpoints hold the other ``C`` unused). Also returns ``pred``.
@@ -233,13 +246,16 @@ class Transport:
         out = model(x_t, t, **(model_kwargs or {}))
         pred = out.float()[:, : x1.shape[1]]
         if self.prediction == "velocity":
-            loss = mean_flat((pred - u_t) ** 2)
+            mse = mean_flat((pred - u_t) ** 2)
         else:
             weight = self.loss_weights(t, x_t)
             sigma, _ = self.path.sigma(expand_like(t, x_t))
             target_error = pred - noise if self.prediction == "noise" else pred * sigma + noise
-            loss = mean_flat(weight * target_error ** 2)
-        return {"loss": loss, "mse": loss, "pred": pred}
+            mse = mean_flat(weight * target_error ** 2)
+        if not self.cosine_loss_weight:
+            return {"loss": mse, "mse": mse, "pred": pred}
+        cos = mean_flat(1 - torch.nn.functional.cosine_similarity(pred, u_t, dim=1))
+        return {"loss": mse + self.cosine_loss_weight * cos, "mse": mse, "cos": cos, "pred": pred}
 
     # ---------------------------------------------------------------------------------------- fields
     def score(self, out: Tensor, x: Tensor, t: Tensor) -> Tensor:

@@ -96,3 +96,15 @@ def lightningdit_forward(sd, x, t, y, *, num_heads, patch_size, use_qknorm=False
     g = int(math.isqrt(N))
     h = h.reshape(B, g, g, p, p, out_channels).permute(0, 5, 1, 3, 2, 4).reshape(B, out_channels, g * p, g * p)
     return h.chunk(2, dim=1)[0] if learn_sigma else h
+
+
+def velocity_losses(model, x1, x0, t, y):
+    """LightningDiT's transport.training_losses on the linear path (ICPlan: ``x_t = t x1 + (1 - t) x0``, target
+    ``x1 - x0``) with ``use_cosine_loss``, and train.py's total ``cos_loss.mean() + loss.mean()``: ``(loss, cos_loss,
+    total)``, the first two per sample."""
+    t_b = t.view(-1, *([1] * (x1.ndim - 1)))
+    xt, ut = t_b * x1 + (1 - t_b) * x0, x1 - x0
+    out = model(xt, t, y)
+    loss = ((out - ut) ** 2).mean(dim=list(range(1, x1.ndim)))
+    cos_loss = (1 - F.cosine_similarity(out, ut, dim=1)).mean(dim=list(range(1, x1.ndim - 1)))
+    return loss, cos_loss, cos_loss.mean() + loss.mean()

@@ -371,3 +371,55 @@ def test_transport_enabled_alone_trains_sits_objective_and_the_run_says_its_size
     assert "the newest train.keep_last=2 checkpoints are kept" in said
     written = (tmp_path / "checkpoints" / "step_000000002.pt").stat().st_size
     assert estimate < written < estimate + 200_000  # beside the tensors: random states, config, zip entries
+
+
+def test_lightningdit_recipe_on_fashion_mnist_logs_its_loss_parts_and_its_fid_samples_the_shifted_grid(tmp_path):
+    """configs/fmnist_lightningdit_pre.yaml (the backbone switches, the cosine term, logit-normal t, beta2 0.95): the
+    loss is the MSE plus the cosine term, the weights record the switches, and fid/fd with the Euler ODE on the
+    shifted grid is diffusion.sample --sampler euler --timestep-shift 0.3 + diffusion.fid of that ema.safetensors."""
+    from common.checkpoint import save_weights
+    from diffusion.checkpoints import load_dit
+    from diffusion.evaluation.features import FashionMNISTClassifier
+    from diffusion.fid import sample_and_score
+    from diffusion.hub import backbone_switches
+
+    torch.manual_seed(0)
+    weights = tmp_path / "fmnist_cnn.safetensors"
+    save_weights(FashionMNISTClassifier(), weights)
+    cfg = load_config(TrainConfig, ROOT / "configs/fmnist_lightningdit_pre.yaml", [
+        "model.kwargs.hidden_size=32", "model.kwargs.depth=2", "model.kwargs.num_heads=2", "data.num_workers=0",
+        "train.tensorboard=false", "train.threads=1", "train.sample_every=0", *SMALL, "optim.steps=3", "train.seed=3",
+        "train.fid_every=3", "train.fid_samples=16", "train.fid_steps=4", "train.fid_reference=fashion-mnist:test",
+        "train.fid_feature_extractor=fmnist-cnn", f"train.fid_extractor_weights={weights}",
+        f"train.output_dir={tmp_path / 'run'}"])
+    assert (cfg.optim.betas, cfg.transport.cosine_loss_weight, cfg.train.sample_timestep_shift) == \
+           ((0.9, 0.95), 1.0, 0.3)
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        final = train(cfg)
+    records = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert all(r["train/loss"] == pytest.approx(r["train/mse"] + r["train/cos"], rel=1e-5) for r in records)
+    model, spec, _ = load_dit(tmp_path / "run" / "ema.safetensors")
+    assert backbone_switches(model) == ["norm=rmsnorm", "mlp=swiglu", "rope"] and not spec.learn_sigma
+    with pytest.warns(UserWarning, match="covariance is singular"):
+        direct = sample_and_score(tmp_path / "run" / "ema.safetensors", tmp_path / "direct", num_samples=16, steps=4,
+                                  extractor_weights=weights, seed=3,
+                                  extra_sample_args=["--sampler", "euler", "--timestep-shift", "0.3"])
+    assert direct["metrics"]["fid"] == final["fid"]
+
+
+def test_lightningdit_settings_are_refused_where_they_do_nothing(tmp_path, capsys):
+    base = ["--config", str(ROOT / "configs/fmnist_lightningdit_pre.yaml"), *SMALL, f"train.output_dir={tmp_path}"]
+    for overrides, message in (
+            (["train.sampler=sde-euler"], "train.sample_timestep_shift warps an ODE's time grid"),
+            (["transport.enabled=false", "train.sampler=null"], "transport.cosine_loss_weight is a term of the "
+                                                                 "transport's velocity loss"),
+            (["transport.cosine_loss_weight=0", "transport.enabled=false", "train.sampler=null"],
+             "train.sample_timestep_shift: a transport model's sampling settings"),
+            (["transport.prediction=noise"], "only with prediction=velocity"),
+            (["data.latent_norm=true"], "dataset=fashion_mnist trains on pixels"),
+            (["data.latent_multiplier=0.5"], "data.latent_multiplier=0.5 scales the normalised latents"),
+            (["train.sample_guidance_interval=[0.9, 0.1]"], "LOW must not exceed HIGH")):
+        with pytest.raises(SystemExit):
+            main([*base, *overrides])
+        assert message in capsys.readouterr().err, overrides
+    assert not (tmp_path / "checkpoints").exists()

@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 def tiny_dit(topology="siamese", in_channels=1, class_dropout_prob=0.1, learn_sigma=True, **values):
     """A tiny DiT and its spec, weights moved off the adaLN-Zero init (whose output is identically zero)."""
     spec = DiTSpec.published("DiT-S/4", topology=topology, input_size=8, in_channels=in_channels, num_classes=5,
-                             class_dropout_prob=class_dropout_prob, learn_sigma=learn_sigma, kwargs=TINY,
-                             **{"autoencoder": "none", **values})
+                             class_dropout_prob=class_dropout_prob, learn_sigma=learn_sigma,
+                             **{"autoencoder": "none", "kwargs": TINY, **values})
     torch.manual_seed(0)
     model = spec.build()
     with torch.no_grad():
@@ -79,14 +79,21 @@ def test_pre_norm_dit_exports_to_diffusers_dit_transformer(tmp_path):
                                    rtol=1e-5)
     with pytest.raises(ValueError, match="Pre-Norm DiT; a 'siamese' DiT is shared as DiTModel"):
         to_diffusers_transformer(tiny_dit("siamese")[0])
+    with pytest.raises(ValueError, match="published Pre-Norm DiT; a DiT with norm=rmsnorm, rope is shared as DiTModel"):
+        to_diffusers_transformer(tiny_dit("pre", kwargs={**TINY, "norm": "rmsnorm", "rope": True})[0])
 
 
-@pytest.mark.parametrize("topology, cfg_scale", [("pre", 1.0), ("pre", 2.0), ("siamese", 2.0)])
-def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_path, topology, cfg_scale):
+# LightningDiT's per-channel normalisation of the latents, which the pipeline undoes before the VAE as diffusion.sample
+LATENT_NORM = {"mean": [0.5, -0.2, 0.1, 0.0], "std": [2.0, 0.5, 1.5, 1.0], "multiplier": 0.8}
+
+
+@pytest.mark.parametrize("topology, cfg_scale, latent_norm", [("pre", 1.0, None), ("pre", 2.0, None),
+                                                               ("siamese", 2.0, None), ("pre", 2.0, LATENT_NORM)])
+def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_path, topology, cfg_scale, latent_norm):
     """Export (CLI) -> DiTSamplingPipeline.from_pretrained -> 4 DDPM steps with the learned variance, through a tiny
     VAE: latents equal diffusion.sampler's chain on the same per-sample streams, images equal diffusion.sample's."""
     vae = tiny_vae(tmp_path / "vae")
-    model, spec = tiny_dit(topology, in_channels=4, autoencoder=str(vae))
+    model, spec = tiny_dit(topology, in_channels=4, autoencoder=str(vae), latent_norm=latent_norm)
     ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata(step=3))
     export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "pipe"), "--format", "diffusers", "--quiet"])
     index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
@@ -113,6 +120,7 @@ def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_pat
     assert ours["arr_1"].tolist() == labels and ours["arr_0"].shape == images.shape == (4, 8, 8, 3)
     quantised = np.clip(np.round(images * 255), 0, 255)  # [0, 1] floats rounded vs DiT's 127.5 x + 128
     assert np.abs(quantised - ours["arr_0"]).max() <= 1 and ours["arr_0"].std() > 5
+    assert pipe.config.latent_norm == latent_norm
 
 
 ISOLATED_LOAD = """

@@ -62,7 +62,7 @@ def test_dit_xl2_recipes_build_the_official_network(topology):
 
     cfg = load_config(TrainConfig, ROOT / f"configs/dit_xl2_{topology}.yaml", ["data.path=/nonexistent"])
     b2 = load_config(TrainConfig, ROOT / f"configs/dit_b2_{topology}.yaml", ["data.path=/nonexistent"])
-    spec = DiTSpec(**DiTSpec.from_train_config(config_to_dict(cfg)))
+    spec = DiTSpec(**DiTSpec.from_train_config(config_to_dict(cfg), (4, 32, 32)))  # the SD VAE's latents of 256 px
     assert spec.dit_kwargs() == DiTSpec.published("DiT-XL/2", topology=topology).dit_kwargs()
     assert cfg.train.output_dir == f"runs/dit_xl2_{topology}"
     xl, other = config_to_dict(cfg), config_to_dict(b2)

@@ -66,6 +66,33 @@ def test_logit_normal_times_are_lightningdits_and_the_loss_trains_only_the_first
     assert grad[:, :2].abs().sum() > 0 and grad[:, 2:].abs().sum() == 0  # SiT's learned-sigma half is unused
 
 
+def test_cosine_term_is_lightningdits_and_its_weight_scales_it_in_the_loss():
+    """LightningDiT's use_cosine_loss: 1 - cosine similarity over the channels of prediction and velocity, averaged
+    over the positions, added to the MSE (weight 1 in LightningDiT; here a setting)."""
+    from tests.lightningdit_reference import velocity_losses
+
+    model = tiny_dit(learn_sigma=False)
+    torch.manual_seed(2)
+    x1, x0, t = torch.randn(3, *SHAPE), torch.randn(3, *SHAPE), torch.rand(3)
+    with torch.no_grad():
+        mse, cos, total = velocity_losses(model, x1, x0, t, LABELS)
+        for weight in (1.0, 0.25):
+            got = Transport("linear", "velocity", cosine_loss_weight=weight).training_losses(model, x1, t, x0,
+                                                                                             {"y": LABELS})
+            torch.testing.assert_close(got["mse"], mse, rtol=1e-6, atol=0)
+            torch.testing.assert_close(got["cos"], cos, rtol=1e-6, atol=0)
+            torch.testing.assert_close(got["loss"], mse + weight * cos, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["loss"].mean(), (mse + 0.25 * cos).mean())
+        torch.testing.assert_close((mse + cos).mean(), total)
+    assert 0 < float(cos.min()) and float(cos.max()) < 2
+    plain = Transport("linear", "velocity")
+    assert "cos" not in plain.training_losses(model, x1, t, x0, {"y": LABELS})
+    assert "cosine_loss_weight" not in plain.description()  # a checkpoint records the term only when it is on
+    assert Transport.from_description(Transport(cosine_loss_weight=0.5).description()).cosine_loss_weight == 0.5
+    with pytest.raises(ValueError, match="only with prediction=velocity"):
+        Transport("linear", "noise", cosine_loss_weight=1.0)
+
+
 def test_velocity_on_linear_paths_refuses_an_eps_sit_would_ignore():
     with pytest.raises(ValueError, match="stable at both ends"):
         Transport("linear", "velocity", train_eps=1e-3)
