@@ -22,21 +22,22 @@ FLOW=$STUDIES/dit_flow  # dit_hc_attnres shares dit_flow's --out: their DDPM run
 
 # study -> its commit, its --out, its extra arguments, the runs it carries (a regex on the run folder's name)
 declare -A REV_OF=([deit_hc_attnres]=737261e [dit_flow]=737261e [dit_hc_attnres]=737261e
-                   [deit_attnres]=8172519 [dit_routing]=8172519 [deit3_depth]=e9394d6)
+                   [deit_attnres]=8172519 [dit_routing]=8172519 [deit3_depth]=e9394d6 [dit_lightning]=60c398a)
 declare -A OUT=([deit_hc_attnres]=$STUDIES/deit_hc_attnres [dit_flow]=$FLOW [dit_hc_attnres]=$FLOW
                 [deit_attnres]=$STUDIES/deit_attnres [dit_routing]=$STUDIES/dit_routing
-                [deit3_depth]=$STUDIES/deit3_depth)
+                [deit3_depth]=$STUDIES/deit3_depth [dit_lightning]=$STUDIES/dit_lightning)
 declare -A ARGS=(
   [deit_hc_attnres]=""
   [dit_flow]="--feature-weights $FLOW/fmnist_cnn.safetensors --encoder-weights $FLOW/encoder/model.safetensors"
   [dit_hc_attnres]="--feature-weights $FLOW/fmnist_cnn.safetensors"
   [deit_attnres]=""
   [dit_routing]="--feature-weights $FLOW/fmnist_cnn.safetensors"
-  [deit3_depth]="")
+  [deit3_depth]=""
+  [dit_lightning]="--feature-weights $FLOW/fmnist_cnn.safetensors")
 declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_'
-                [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.')
-ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth)
+                [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.' [dit_lightning]='.')
+ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth dit_lightning)
 FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres "  # every run done and carried: restored and reported, not started
 
 code_of() {  # the study's code snapshot
