@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
@@ -46,9 +46,6 @@ from common.topologies import (
     resolve_topology,
     topology_names,
 )
-
-if TYPE_CHECKING:
-    from vision.config import DataConfig, ModelConfig
 
 Tensor = torch.Tensor
 
@@ -404,21 +401,6 @@ def check_model_name(name: str, kwargs: dict) -> None:
                           "deit_{tiny,small,base}_{siamese,post,mixln,...}_patch16_224 (Pre-Norm: timm's "
                           "deit_*_patch16_224)")
     check_model_kwargs(name, kwargs)
-
-
-def build_model(model: "ModelConfig", data: "DataConfig") -> nn.Module:
-    """Create the timm model a config names (name and keyword arguments were checked with the config)."""
-    kwargs = dict(model.kwargs)
-    kwargs.setdefault("img_size", data.input_size)
-    if model.pretrained:
-        check_pretrained_reachable(model.name)
-    try:
-        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
-                                 drop_path_rate=model.drop_path, **kwargs)
-    except TypeError as err:
-        if "unexpected keyword argument" in str(err):
-            raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
-        raise
 
 
 def load_finetune(model: nn.Module, path: Union[str, Path]) -> List[str]:
