@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import timm
 import torch
