@@ -80,7 +80,7 @@ class RunConfig:
     output_dir: str = "runs/run"  # the run directory: run the same command again to continue it
     seed: Annotated[int, Range(ge=0)] = 0  # initial weights, data order, augmentation, every random draw
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    compile: Union[bool, Literal["auto"]] = "auto"  # torch.compile the training model; auto: on CUDA only
+    compile: Union[bool, Literal["auto"]] = "auto"  # torch.compile the training model; auto: on CUDA, and on a CPU in runs long enough to repay it (docs/training.md)
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
     threads: Optional[Annotated[int, Range(ge=1)]] = None  # CPU intra-op threads (null: torch's default; 1 is fastest on a busy machine)
     ema_decay: Optional[Annotated[float, Range(ge=0, lt=1)]] = None  # keep, evaluate and save an EMA of the weights
@@ -131,6 +131,7 @@ class StepContext:
     last: bool  # this step is the run's last
     model: torch.nn.Module  # the trained weights (bare: no DDP or compile wrapper)
     ema_model: Optional[torch.nn.Module]  # the EMA weights, None without train.ema_decay
+    compiled: bool  # the training model runs compiled (train.compile, resolved): evaluation may compile too
     run_dir: Path
     set_postfix: Callable[..., None]  # show values on the progress bar: set_postfix(fd="12.3")
     log_images: Callable[[Dict[str, "np.ndarray"]], None]  # uint8 (H, W, C) images to the trackers, at this step
@@ -166,6 +167,9 @@ class Task:
     loss_parts: Tuple[str, ...] = ()  # extra loss terms, logged as train/<part>
     resumable_changes: Tuple[str, ...] = ()  # settings (dotted prefixes) a resumed run may change, beyond the loop's
     batch_transform: Optional[Callable] = None  # runs on the device on every batch of the standard feed
+    # Optimizer steps in one invocation after which train.compile=auto compiles on a CPU: where the compiled step's
+    # saving has repaid the compiling (benchmarks.compile_payback; docs/benchmarks.md). None: never on a CPU.
+    compile_pays_after_steps_on_cpu: Optional[int] = None
 
     def build_feed(self, sampler: ResumableSampler, batch_size: int, device) -> Optional[Iterable]:
         """An iterable of device batches instead of the standard feed (per-sample seeded workers, moved to the
@@ -261,9 +265,17 @@ def task_feed(task: Task, sampler: ResumableSampler, batch_size: int, num_worker
         task.batch_transform)
 
 
-def resolve_compile(setting, device: torch.device) -> bool:
-    """``train.compile``: ``auto`` compiles on CUDA (where it pays) and not on the CPU (where it mostly costs)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+def resolve_compile(setting, device: torch.device, steps: Optional[int] = None,
+                    pays_after: Optional[int] = None) -> bool:
+    """``train.compile`` (and a command's ``compile``): true and false force it; ``auto`` compiles on CUDA, and on
+    a CPU a training that runs at least ``pays_after`` optimizer ``steps`` (the task's
+    :attr:`Task.compile_pays_after_steps_on_cpu`: where the time each step saves has repaid the compiling; None:
+    never), never a one-off command there (evaluation, sampling: no ``steps``)."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type == "cuda":
+        return True
+    return steps is not None and pays_after is not None and steps >= pays_after
 
 
 def changed_settings(saved: dict, current: dict, defaults: Optional[dict] = None) -> Dict[str, Tuple[object, object]]:
@@ -323,7 +335,7 @@ class Trainer:
                                                            timeout_minutes=run.dist_timeout_minutes,
                                                            static_graph=run.ddp_static_graph, trackers=run.trackers)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        check_engine(accelerator, resolve_compile(run.compile, accelerator.device))
+        check_engine(accelerator, run.compile is True)  # auto is checked once it has decided (_build)
         if run.threads:
             torch.set_num_threads(run.threads)
         use_fast_cuda_kernels(deterministic=run.deterministic)
@@ -381,7 +393,6 @@ class Trainer:
         self.ema = ModelEma(model, run.ema_decay) if run.ema_decay is not None else None
         self.checkpoint_bytes = checkpoint_size(model, ema=self.ema is not None)
         self.model = accelerator.prepare(model)
-        self.train_model = torch.compile(self.model) if resolve_compile(run.compile, accelerator.device) else self.model
         self.guard = NonFiniteGuard(run.max_nonfinite, accelerator.device)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last, run.keep_every)
 
@@ -452,9 +463,22 @@ class Trainer:
                 f"{size(checkpoint + len(files) * weights)} with one checkpoint; the newest "
                 f"train.keep_last={self.run.keep_last}{every} checkpoints are kept")
 
+    def _compile(self, step: int) -> None:
+        """The training model, compiled where ``train.compile`` says so: ``auto`` on a CPU by the steps this
+        invocation runs (from ``step`` to the run's end or ``train.stop_at_step``)."""
+        run, accelerator, pays_after = self.run, self.accelerator, self.task.compile_pays_after_steps_on_cpu
+        steps = max(min(self.total_steps, run.stop_at_step or self.total_steps) - step, 0)
+        self.compiled = resolve_compile(run.compile, accelerator.device, steps, pays_after)
+        check_engine(accelerator, self.compiled)
+        if self.compiled and run.compile == "auto" and accelerator.device.type == "cpu":
+            accelerator.print(f"train.compile=auto: compiling the training model for the {steps} optimizer steps to "
+                              f"run (on a CPU it pays back after {pays_after}; train.compile=false: eager)")
+        self.train_model = torch.compile(self.model) if self.compiled else self.model
+
     def _fit(self) -> dict:
         accelerator, run = self.accelerator, self.run
         step, resumed = self._resume()
+        self._compile(step)
         final_file = self.run_dir / FINAL_METRICS_FILE
         if step >= self.total_steps and final_file.is_file():
             accelerator.print(f"{self.run_dir} already finished at step {step}; its results are in {final_file} "
@@ -631,7 +655,7 @@ class Trainer:
     def context(self, last: bool, epoch_end: bool) -> StepContext:
         return StepContext(step=self.step, epoch=self.step // self.steps_per_epoch, epoch_end=epoch_end, last=last,
                            model=bare_model(self.model), ema_model=self.ema.module if self.ema is not None else None,
-                           run_dir=self.run_dir, set_postfix=self.bar.set_postfix,
+                           compiled=self.compiled, run_dir=self.run_dir, set_postfix=self.bar.set_postfix,
                            log_images=lambda images: self.logger.log_images(images, self.step))
 
     def _after_step(self, last: bool, epoch_end: bool = True) -> None:

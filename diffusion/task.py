@@ -343,6 +343,7 @@ class DiTTask(trainer.Task):
     # Besides the trainer's own list: the learning rate and length (constant schedule: a longer run just goes on),
     # the VAE used for grids, and the grid / in-training FID settings.
     resumable_changes = ("optim.lr", "optim.steps", "data.autoencoder", "train.sample_", "train.fid_", "train.sampler")
+    compile_pays_after_steps_on_cpu = 3000  # the micro-DiT's break-even, about 2,600 steps (docs/benchmarks.md)
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

@@ -1,5 +1,7 @@
-"""Both trainers the way a CUDA user gets them by default (``train.compile`` and bf16 autocast, what
-``train.compile=auto`` and ``train.precision=auto`` resolve to on CUDA), run on the CPU, against eager fp32.
+"""Both trainers the way a CUDA user gets them by default (``train.precision=auto``: bf16 autocast;
+``train.compile=auto``: the compiled model, which on a CPU it picks for a run of at least the task's
+``compile_pays_after_steps_on_cpu``, here lowered to the test's 6 steps), run on the CPU, against eager fp32
+(``auto`` with that bar one step above the run).
 
 The tolerance: bf16 autocast rounds every matmul input to 8 significant bits (a relative error up to 2**-9 each),
 so a tiny model's loss differs from fp32's by a fraction of a percent per step and the gap grows slowly over a
@@ -44,13 +46,14 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def losses(schema, task_cls, recipe, overrides, out: Path, *, cuda_defaults: bool, graphs=None):
-    """The run's logged losses; ``graphs`` (a list) gets dynamo's count of compiled graphs after each epoch."""
+def losses(schema, task_cls, recipe, overrides, out: Path, *, cuda_defaults: bool, monkeypatch, graphs=None):
+    """The run's logged losses (6 steps, ``train.compile=auto``); ``graphs`` (a list) gets dynamo's count of compiled
+    graphs after each epoch."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the eager fp32 run before it left its state
-    settings = ["train.compile=true", "train.precision=bf16"] if cuda_defaults else ["train.compile=false",
-                                                                                      "train.precision=fp32"]
+    monkeypatch.setattr(task_cls, "compile_pays_after_steps_on_cpu", 6 if cuda_defaults else 7)
+    settings = ["train.compile=auto", "train.precision=bf16" if cuda_defaults else "train.precision=fp32"]
     cfg = load_config(schema, ROOT / "configs" / recipe, [*overrides, *settings, "train.log_every=1",
                                                           "train.tensorboard=false", "train.threads=1",
                                                           f"train.output_dir={out}"])
@@ -74,17 +77,17 @@ def losses(schema, task_cls, recipe, overrides, out: Path, *, cuda_defaults: boo
 
 
 @pytest.mark.parametrize("family", ["deit", "dit"])
-def test_compiled_bf16_training_follows_eager_fp32(tmp_path, family):
+def test_compiled_bf16_training_follows_eager_fp32(tmp_path, family, monkeypatch):
     import torch._dynamo
     import torch._inductor.config
 
     torch._dynamo.reset()
     args = ((deit_train.TrainConfig, DeiTTask, "fmnist_deit_siamese.yaml", DEIT) if family == "deit" else
             (dit_train.TrainConfig, DiTTask, "fmnist_dit_siamese.yaml", DIT))
-    eager = losses(*args, tmp_path / "eager", cuda_defaults=False)
+    eager = losses(*args, tmp_path / "eager", cuda_defaults=False, monkeypatch=monkeypatch)
     graphs = []
     with torch._inductor.config.patch(fallback_random=True):
-        default = losses(*args, tmp_path / "default", cuda_defaults=True, graphs=graphs)
+        default = losses(*args, tmp_path / "default", cuda_defaults=True, monkeypatch=monkeypatch, graphs=graphs)
     if family == "deit":  # compiled in epoch 1 (training and evaluation), nothing new after
         assert len(graphs) == 3 and graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], graphs
     assert len(eager) == len(default) == 6

@@ -51,6 +51,36 @@ def test_dit_steps_never_wait_for_the_device(tmp_path):
     assert sorted(counts) == [1, 2, 3] and all(reads == [] for reads in counts.values()), counts
 
 
+def test_train_compile_auto_compiles_on_cuda_and_on_a_cpu_runs_long_enough_to_repay_it():
+    from common.trainer import resolve_compile
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_compile("auto", cpu, 3000, pays_after=3000) and not resolve_compile("auto", cpu, 2999, 3000)
+    assert not resolve_compile("auto", cpu, 10**6, pays_after=None)  # a task whose compiled step never pays on a CPU
+    assert resolve_compile("auto", cuda, 1, pays_after=None)  # CUDA: always
+    assert resolve_compile(True, cpu, 1, None) and not resolve_compile(False, cuda, 10**6, 1)  # forced either way
+    assert resolve_compile("auto", cuda) and not resolve_compile("auto", cpu)  # a one-off command: on CUDA only
+    assert DiTTask.compile_pays_after_steps_on_cpu and DeiTTask.compile_pays_after_steps_on_cpu is None
+
+
+def test_train_compile_auto_counts_the_steps_this_invocation_runs(tmp_path, monkeypatch, capsys):
+    """A run of 4 steps with the bar at 4, paused at step 3 (train.stop_at_step) and continued: neither invocation
+    runs 4 steps, so neither compiles."""
+    monkeypatch.setattr(DiTTask, "compile_pays_after_steps_on_cpu", 4)
+    settings = ["model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "data.num_workers=0", "data.max_samples=32",
+                "optim.batch_size=8", "optim.steps=4", "train.sample_every=0", "train.tensorboard=false",
+                "train.compile=auto", f"train.output_dir={tmp_path}"]
+    steps = []
+    for stop in (3, None):
+        cfg = load_config(dit_train.TrainConfig, ROOT / "configs/fmnist_dit_siamese.yaml",
+                          [*settings, f"train.stop_at_step={stop or 'null'}"])
+        trainer = Trainer(cfg, DiTTask(cfg))
+        trainer.fit()
+        assert not trainer.compiled and trainer.train_model is trainer.model
+        steps.append(trainer.step)
+    assert steps == [3, 4] and "compiling the training model" not in capsys.readouterr().out
+
+
 def test_the_counter_sees_a_sync_in_project_code():
     from common.logging import _plain
 
@@ -107,7 +137,8 @@ def _grads(model):
 
 
 def test_compiled_models_equal_eager():
-    """One tiny model per family under inductor: outputs and gradients equal eager."""
+    """One tiny model per family under inductor: outputs and gradients equal eager, and so do the losses of the
+    AdamW steps that follow (a training's loss curve, eager and compiled, as train.compile switches it)."""
     import copy
 
     import timm
@@ -134,3 +165,15 @@ def test_compiled_models_equal_eager():
         assert eager_grads.keys() == compiled_grads.keys()
         for name in eager_grads:
             torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        curves = {}
+        for name, trained in (("eager", model), ("compiled", compiled_model)):
+            optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3, fused=True)  # the trainer's optimizer
+            curves[name] = []
+            for _ in range(4):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                loss = trained(*inputs).square().mean()
+                loss.backward()
+                curves[name].append(loss.item())
+        assert curves["eager"][-1] < curves["eager"][0]  # the steps moved the weights
+        torch.testing.assert_close(curves["compiled"], curves["eager"], rtol=1e-4, atol=1e-6)

@@ -97,6 +97,7 @@ class DeiTTask(trainer.Task):
     resumable_changes = ("optim.base_lr", "optim.lr_base_batch", "optim.epochs", "optim.warmup_epochs",
                          "optim.warmup_lr", "optim.min_lr", "train.eval_every", "train.eval_batch_size",
                          "data.max_val_samples")
+    compile_pays_after_steps_on_cpu = None  # the micro-DeiT's compiled step is no faster on a CPU (docs/benchmarks.md)
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -130,7 +131,6 @@ class DeiTTask(trainer.Task):
             self.criterion = DistillationLoss(self.criterion, teacher, cfg.distill.type, cfg.distill.alpha,
                                               cfg.distill.tau or 1.0)
         self.batch_transform = NormalizeErase(cfg.data, cfg.augment)
-        self.compile_eval = trainer.resolve_compile(cfg.train.compile, accelerator.device)  # as the training model
 
     def build_feed(self, sampler, batch_size: int, device):
         cfg = self.cfg
@@ -198,19 +198,19 @@ class DeiTTask(trainer.Task):
         every, epoch = self.cfg.train.eval_every, ctx.epoch
         if not (ctx.last or (ctx.epoch_end and every and epoch % every == 0)):
             return None
-        metrics = {f"val/{k}": v for k, v in self._evaluate(ctx.model).items()}
+        metrics = {f"val/{k}": v for k, v in self._evaluate(ctx.model, ctx.compiled).items()}
         if ctx.ema_model is not None:
-            metrics.update({f"val_ema/{k}": v for k, v in self._evaluate(ctx.ema_model).items()})
+            metrics.update({f"val_ema/{k}": v for k, v in self._evaluate(ctx.ema_model, ctx.compiled).items()})
         metrics["epoch"] = epoch
         self.accelerator.print(f"epoch {epoch}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()
                                                              if k.endswith(("top1", "loss"))))
         self.last_eval = metrics
         return metrics
 
-    def _evaluate(self, weights: torch.nn.Module) -> dict:
+    def _evaluate(self, weights: torch.nn.Module, compiled: bool) -> dict:
         """Top-1 etc. of ``weights`` (bare), through an evaluation model compiled once per weights when the
-        training model is compiled (its own eval-mode graph, fixed shapes), else eager."""
-        if not self.compile_eval:
+        training model is ``compiled`` (its own eval-mode graph, fixed shapes), else eager."""
+        if not compiled:
             return evaluate(weights, self.val_loader, self.accelerator)
         if id(weights) not in self.eval_models:
             self.eval_models[id(weights)] = compile_for_eval(weights)
