@@ -455,7 +455,8 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     from common.distributed import use_fast_cuda_kernels
     from diffusion.models import DiT_models
     from diffusion.spec import DiTSpec
-    from diffusion.sampler import Decoder, Sampler
+    from diffusion.sampling.decoder import Decoder
+    from diffusion.sampling.sampler import Sampler
 
     use_fast_cuda_kernels()  # what diffusion.sample's main sets
     vae_dir = workdir / "vae"
@@ -468,7 +469,7 @@ def sampling(workdir: Path, device, tiny: bool) -> dict:
     sampler = Sampler(model.to(device).eval(), spec, Decoder(str(vae_dir), device),
                       spec.diffusion(sampling_steps=steps), device=str(device))
     # A shortened chain (measured_steps of the 250) and the decode timed apart; the chain scaled to 250.
-    sampler.diffusion = spec.diffusion(sampling_steps=measured_steps).to(device)
+    sampler.objective = spec.diffusion(sampling_steps=measured_steps).to(device)
     indices, labels = torch.arange(batch), torch.arange(batch) % 1000
     sampler(indices, labels)  # warm-up
     short_s = time_call(lambda: sampler(indices, labels), device).seconds
@@ -513,7 +514,8 @@ PEER_SIZES = {False: ["--width", "384", "--depth", "12", "--heads", "6", "--batc
 def peers(workdir: Path, device, tiny: bool, peers_dir: Path, rounds: int) -> dict:
     """The side-by-side rows of ``benchmarks.vs_peers`` on this device (bf16 training and evaluation on CUDA, where
     both sides have it): every row whose peer checkout is in ``peers_dir`` (``DiT/``, ``fast-DiT/``,
-    ``pytorch-image-models/``), and FID (torch-fidelity, a pip package)."""
+    ``pytorch-image-models/``), and FID (torch-fidelity, a pip package). A row whose command fails is recorded
+    with its error, and the others still run."""
     from benchmarks import vs_peers
 
     found = {option: peers_dir / name for option, name in PEER_CHECKOUTS.items()
@@ -525,8 +527,8 @@ def peers(workdir: Path, device, tiny: bool, peers_dir: Path, rounds: int) -> di
         argv += ["--" + option.replace("_", "-"), str(path)]
     log(f"peers: {', '.join(rows)} on {device.type}, {rounds} round(s)")
     try:
-        results = vs_peers.main(argv)
-    except SystemExit as stop:  # a peer's command failed: its output is in the message
+        results = vs_peers.main(argv)  # a row whose command failed is recorded as failed, the others still run
+    except SystemExit as stop:  # vs_peers refused its arguments
         raise RuntimeError(str(stop)) from None
     missing = [f"{peers_dir / name} (rows {', '.join(r for r in vs_peers.ROWS if vs_peers.NEEDS.get(r) == option)})"
                for option, name in PEER_CHECKOUTS.items() if option not in found]
@@ -572,8 +574,11 @@ def print_table(results: dict) -> None:
         if label.endswith("break-even steps"):
             print(f"== {label}: " + ", ".join(f"{name} {steps:.0f}" for name, steps in r.items()))
     for r in results.get("peers", {}).get("rows", []):
-        print(f"== vs peers, {r['measure']}: ours/{r['peer']} {r['ratio']:.2f}x ({r['ours']:.1f} / {r['theirs']:.1f} "
-              f"{r['unit']})")
+        if "failed" in r:
+            print(f"== vs peers, {r['row']}: failed: {r['failed'].splitlines()[0]}")
+        else:
+            print(f"== vs peers, {r['measure']}: ours/{r['peer']} {r['ratio']:.2f}x ({r['ours']:.1f} / "
+                  f"{r['theirs']:.1f} {r['unit']})")
     for name, status in results.get("parts", {}).items():
         if status["status"] != "done":
             print(f"== {name}: {status['status']}: {status.get('reason', '')}")

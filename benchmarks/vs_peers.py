@@ -456,17 +456,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> List[dict]:
+    """One result per row; a row whose command failed is ``{"row", "failed": its message}`` and the others still
+    run (the command line then exits 1)."""
     a = parse_args(argv)
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench_vs_peers_"))
+    work.mkdir(parents=True, exist_ok=True)
     results = []
     for name in a.rows:
         print(f"== {name}: setting up in {work / name}", flush=True)
-        results.append(measure_row(BUILDERS[name](a, work / name), a.rounds, a.max_load, a.threads))
-    print_table(results)
+        try:
+            results.append(measure_row(BUILDERS[name](a, work / name), a.rounds, a.max_load, a.threads))
+        except SystemExit as failure:  # run_command's: a command failed, its output is in the message
+            print(failure, file=sys.stderr, flush=True)
+            results.append({"row": name, "failed": str(failure)})
+    print_table([r for r in results if "failed" not in r])
+    for r in results:
+        if "failed" in r:
+            print(f"row {r['row']} failed: {r['failed'].splitlines()[0]}")
     (work / "vs_peers.json").write_text(json.dumps({"device": a.device, "precision": a.precision, "rows": results},
                                                    indent=2) + "\n")
     return results
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any("failed" in r for r in main()) else 0)

@@ -201,8 +201,8 @@ def test_a_part_inside_one_call_at_the_budget_ends_the_process_with_its_results_
 
 def test_peers_runs_the_rows_whose_checkouts_it_finds_on_this_device(tmp_path, monkeypatch):
     """The peers part hands benchmarks.vs_peers the device, the sizes and the checkouts it finds under --peers; the
-    rows of a missing checkout are left out and named; a peer's failing command (vs_peers exits) fails the part, not
-    the check."""
+    rows of a missing checkout are left out and named; vs_peers exiting (a refused argument) fails the part, not the
+    check."""
     from benchmarks import vs_peers
 
     (tmp_path / "DiT").mkdir()
@@ -224,13 +224,13 @@ def test_peers_runs_the_rows_whose_checkouts_it_finds_on_this_device(tmp_path, m
     assert any("fast-DiT" in m and "train_dit" in m for m in results["peers"]["not found"])
 
     def failing_main(argv):
-        raise SystemExit("error: validate.py failed (exit 1):\nTraceback ...")
+        raise SystemExit("error: --rows speed: choose from ...")
 
     monkeypatch.setattr(vs_peers, "main", failing_main)
     results = gpu_check.main(["--allow-cpu", "--tiny", "--only", "peers", "--peers", str(tmp_path),
                               "--out", str(tmp_path / "y.json")])
     peers = results["parts"]["peers"]
-    assert peers["status"] == "failed" and "validate.py failed" in peers["reason"]
+    assert peers["status"] == "failed" and "--rows speed" in peers["reason"]
 
 
 def test_the_compile_break_even_is_the_extra_warm_up_over_the_saving_per_step():

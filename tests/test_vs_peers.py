@@ -144,6 +144,22 @@ def test_row_command_reruns_the_row_with_the_options_given(tmp_path):
     assert vs_peers.row_command(a, "fid") == "python -m benchmarks.vs_peers --rows fid --rounds 3 --steps 20"
 
 
+def test_a_failing_row_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    (tmp_path / "sample.py").write_text("")
+    env = vs_peers.environment(1, [])
+    ok = [sys.executable, "-c", "pass"]
+    broken = [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"]
+    monkeypatch.setitem(vs_peers.BUILDERS, "sample", lambda a, work: vs_peers.Row(
+        "broken", "peer", "runs/s", vs_peers.command_rate(1, broken, env), vs_peers.command_rate(1, ok, env), "-"))
+    monkeypatch.setitem(vs_peers.BUILDERS, "fid", lambda a, work: vs_peers.Row(
+        "fine", "peer", "runs/s", vs_peers.command_rate(1, ok, env), vs_peers.command_rate(1, ok, env), "-"))
+    results = vs_peers.main(["--rows", "sample,fid", "--dit-repo", str(tmp_path), "--rounds", "1",
+                             "--workdir", str(tmp_path / "work")])
+    assert results[0]["row"] == "sample" and "broken" in results[0]["failed"] and results[1]["measure"] == "fine"
+    assert "row sample failed: error:" in capsys.readouterr().out
+    assert "failed" in (tmp_path / "work" / "vs_peers.json").read_text()
+
+
 def test_failing_command_stops_with_its_output(tmp_path):
     failing = vs_peers.command_rate(1, [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"],
                                     vs_peers.environment(1, []))
