@@ -13,7 +13,7 @@ from common.diagnostics import PathLike, grad_norm_trace, hidden_state_norms, la
 from common.distributed import build_accelerator
 from vision.data import build_dataset, build_eval_loader
 from vision.augment import build_transform
-from vision.task import build_model
+from vision.deit import build_model
 from vision.evaluate import evaluate
 from vision.train import TrainConfig
 

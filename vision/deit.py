@@ -403,6 +403,22 @@ def check_model_name(name: str, kwargs: dict) -> None:
     check_model_kwargs(name, kwargs)
 
 
+def build_model(model, data) -> nn.Module:
+    """Create the timm model a config's ``model`` and ``data`` sections name (a :class:`vision.config.ModelConfig`
+    and :class:`~vision.config.DataConfig`; name and keyword arguments were checked when the config loaded)."""
+    kwargs = dict(model.kwargs)
+    kwargs.setdefault("img_size", data.input_size)
+    if model.pretrained:
+        check_pretrained_reachable(model.name)
+    try:
+        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
+                                 drop_path_rate=model.drop_path, **kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" in str(err):
+            raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
+        raise
+
+
 def load_finetune(model: nn.Module, path: Union[str, Path]) -> List[str]:
     """DeiT's ``--finetune``: start a ViT/DeiT from weights trained at another resolution or for another class count.
 

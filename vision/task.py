@@ -12,17 +12,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import timm
 import torch
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 
 from common import trainer
-from common.config import ConfigError
 from vision.augment import NormalizeErase, build_mixup, build_transform
 from vision.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: F401
 from vision.data import build_eval_loader, build_splits, load_rgb_tensor, unreadable_flags
-from vision.deit import check_pretrained_reachable
+from vision.deit import build_model
 from vision.evaluate import compile_for_eval, evaluate
 
 # What a DeiT run reports (final_metrics.json, the demo, the studies): the raw model's Top-1, as DeiT's recipe does;
@@ -72,21 +70,6 @@ def finetune_changes(model: torch.nn.Module, shapes: dict, reset) -> str:
         changes.append(f"{', '.join(reset)} reset to their initialisation ({shapes[reset[0]][0]} classes in the file, "
                        f"{model.num_classes} here)")
     return "; ".join(changes) or "every weight loaded as it is (the same grid, patch size and classes)"
-
-
-def build_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
-    """Create the timm model a config names (name and keyword arguments were checked with the config)."""
-    kwargs = dict(model.kwargs)
-    kwargs.setdefault("img_size", data.input_size)
-    if model.pretrained:
-        check_pretrained_reachable(model.name)
-    try:
-        return timm.create_model(model.name, pretrained=model.pretrained, num_classes=data.num_classes,
-                                 drop_path_rate=model.drop_path, **kwargs)
-    except TypeError as err:
-        if "unexpected keyword argument" in str(err):
-            raise ConfigError(f"model.kwargs do not fit {model.name}: {err}") from None
-        raise
 
 
 class DeiTTask(trainer.Task):
