@@ -154,7 +154,9 @@ def bf16_vs_fp32(args) -> dict:
     """FID of fp32 and bf16 samples of one pixel-space DiT on the same noise, seed by seed (``--bf16-checkpoint``)."""
     from diffusion.checkpoints import load_dit
     from diffusion.evaluation import Evaluator
-    from diffusion.sampler import Decoder, Sampler, balanced_labels
+    from diffusion.sampling.decoder import Decoder
+    from diffusion.sampling.sample_sets import balanced_labels
+    from diffusion.sampling.sampler import Sampler
 
     model, spec, _ = load_dit(args.bf16_checkpoint)
     evaluator = Evaluator("fashion-mnist:test", metrics=["fid"], feature_extractor="fmnist-cnn",

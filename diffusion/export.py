@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from common.cli import ArgumentParser, one_line_errors
-from diffusion.sampler import Decoder, SamplingError
+from diffusion.sampling.decoder import Decoder
+from diffusion.sampling.options import SamplingError
 
 FORMATS = ("hub", "diffusers")
 

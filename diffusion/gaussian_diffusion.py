@@ -29,6 +29,8 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
+from diffusion.objective import model_and_extra
+
 Tensor = torch.Tensor
 LOG2 = math.log(2.0)
 
@@ -319,12 +321,24 @@ class GaussianDiffusion:
         detached, so it only trains the variance channels (the MSE trains the mean).
         """
         x_t = self.q_sample(x_start, t, noise)
-        model_output = model(x_t, self.model_timesteps(t), **(model_kwargs or {})).float()
-        eps, var_values = self.split_output(model_output, x_t)
+        model_output, extra = model_and_extra(model(x_t, self.model_timesteps(t), **(model_kwargs or {})))
+        eps, var_values = self.split_output(model_output.float(), x_t)
         mse = mean_flat((noise - eps) ** 2)
         if var_values is None:
             vb = torch.zeros_like(mse)
         else:
             frozen = torch.cat([eps.detach(), var_values], dim=1)
             vb = self.vb_terms_bpd(frozen, x_start, x_t, t)
-        return {"loss": mse + vb, "mse": mse, "vb": vb}
+        return {"loss": mse + vb, "mse": mse, "vb": vb, **({"extra": extra} if extra is not None else {})}
+
+    # --------------------------------------------------------------- the objective protocol (diffusion.objective)
+    time_draw = "index"  # a training example draws its timestep's index
+    default_sampler = "ddpm"  # diffusion.sampling.chains.DDPMSampling
+
+    def losses(self, model: Callable, x0: Tensor, draw: Tensor, noise: Tensor,
+               model_kwargs: Optional[dict] = None) -> Dict[str, Tensor]:
+        return self.training_losses(model, x0, draw, noise, model_kwargs)
+
+    def description(self) -> Dict[str, object]:
+        return {"objective": "ddpm", "num_timesteps": self.num_train_timesteps, "beta_start": self.beta_start,
+                "beta_end": self.beta_end, "learn_sigma": self.learn_sigma, "respacing": self.respacing}

@@ -2,7 +2,7 @@
 
 diffusers' ``DiTPipeline`` splits the learned-variance channels off and steps a scheduler with its own fixed
 variance; this pipeline steps with the variance the model learned, on ADM's respaced timesteps, exactly as
-``python -m diffusion.sample`` does (:func:`diffusion.sampler.sample_loop`), for diffusers' ``DiTTransformer2DModel``
+``python -m diffusion.sample`` does (:func:`diffusion.sampling.chains.sample_loop`), for diffusers' ``DiTTransformer2DModel``
 (a Pre-Norm DiT, :func:`diffusion.hub.to_diffusers_transformer`) and for our :class:`~diffusion.hub.DiTModel` (any
 topology).
 
@@ -30,8 +30,10 @@ from diffusion.hub import DiTModel, backbone_switches, exact_timesteps, to_diffu
 from diffusion.latents import LatentScaling
 from diffusion.models import DiT, guide
 from diffusion.spec import DiTSpec
-from diffusion.sampler import (SAMPLERS, SamplingError, guided_fn, model_fn_for, resolve_guided_channels,
-                               sample_generators, sample_loop)
+from diffusion.sampling.chains import sample_loop
+from diffusion.sampling.guidance import guided_fn, model_fn_for, resolve_guided_channels
+from diffusion.sampling.noise import sample_generators
+from diffusion.sampling.options import SAMPLERS, SamplingError
 
 
 def scheduler_for(spec: DiTSpec) -> DDPMScheduler:

@@ -41,7 +41,7 @@ content: a rerun whose checkpoint holds other weights (e.g. a training run refre
 between) is refused, so a sample set never mixes two models. Every file is written atomically and fsynced.
 Outputs: ``OUT/samples.npz`` (ADM format: ``arr_0`` uint8 [N, H, W, C], ``arr_1`` labels, and the sampling
 protocol as JSON, which diffusion.fid records), ``OUT/images/*.png`` with ``--format png|both``.
-Chunk files must be on a file system all processes share. The sampler itself is :mod:`diffusion.sampler`.
+Chunk files must be on a file system all processes share. The sampler itself is :mod:`diffusion.sampling`.
 """
 from __future__ import annotations
 
@@ -58,9 +58,12 @@ from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.preemption import command_stop_signals, exit_when_stopped
 from common.topologies import topology_names
 from diffusion.gaussian_diffusion import SPACINGS
-from diffusion.sampler import (PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, Decoder, Sampler, SamplingError,
-                                class_names, resolve_guided_channels, sampling_objective, write_grid,
-                                write_sample_set)
+from diffusion.sampling.decoder import Decoder
+from diffusion.sampling.grids import class_names, write_grid
+from diffusion.sampling.guidance import resolve_guided_channels
+from diffusion.sampling.options import PRECISIONS, SAMPLERS, TRANSPORT_SAMPLERS, SamplingError
+from diffusion.sampling.sample_sets import write_sample_set
+from diffusion.sampling.sampler import Sampler, sampling_objective
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, PATHS, PREDICTIONS, Transport
 
 # diffusion.models imports timm: it is imported once the command line is checked (a --model or --topology is
@@ -122,7 +125,7 @@ def run_grid(args, sampler: Sampler) -> dict:
 
 
 def run_num_samples(args, sampler: Sampler, state) -> Optional[dict]:
-    """Samples ``0..N-1`` into ``--out-dir``, resumable (:func:`diffusion.sampler.write_sample_set`)."""
+    """Samples ``0..N-1`` into ``--out-dir``, resumable (:func:`diffusion.sampling.sample_sets.write_sample_set`)."""
     settings = {"checkpoint": str(args.checkpoint), "weights": args.weights_used, "weights_sha256": args.weights_sha256,
                 "steps": args.steps, "spacing": args.spacing, **sampler.settings(), "num_samples": args.num_samples,
                 "batch_size": args.batch_size}
@@ -260,18 +263,12 @@ def transport_override(args) -> Optional[dict]:
 
 
 def build_objective(args, spec):
-    """The model's objective for sampling; settles ``args.sampler`` and ``args.spacing`` (recorded with the set)."""
-    objective, args.sampler, flow = sampling_objective(spec, args.steps, args.sampler, args.spacing,
-                                                       **flow_options(args))
-    if flow is None:
-        args.spacing = args.spacing or ("ddim" if args.sampler == "ddim" else "even")
-    if args.eta is not None and args.sampler != "ddim":
-        fix = ("add --sampler ddim, or drop --eta" if flow is None else
-               "drop --eta (this model was trained with SiT's transport, whose samplers have no eta)")
-        raise SamplingError(f"--eta {args.eta:g} is the noise of --sampler ddim, and this command samples with "
-                            f"{args.sampler}: {fix}")
-    args.eta = args.eta or 0.0
-    return objective, flow
+    """The model's objective and sampling options; settles ``args.sampler`` and ``args.spacing`` (recorded with the
+    set; a transport has no spacing)."""
+    objective, sampling = sampling_objective(spec, args.steps, args.sampler, args.spacing, args.eta,
+                                             **flow_options(args))
+    args.sampler, args.spacing = sampling.sampler, getattr(sampling, "spacing", None)
+    return objective, sampling
 
 
 def main(argv=None) -> Optional[dict]:
@@ -296,13 +293,13 @@ def main(argv=None) -> Optional[dict]:
             check_labels(parse_labels(args.labels), spec.num_classes)  # before the VAE loads
         args.guided_channels = resolve_guided_channels(args.guided_channels, spec.in_channels, "--guided-channels")
         args.weights_sha256 = weights_fingerprint(model.state_dict()) if args.num_samples is not None else None
-        objective, flow = build_objective(args, spec)
+        objective, sampling = build_objective(args, spec)
         decoder = Decoder(spec.autoencoder, device, expect=vars(spec), latent_norm=spec.latent_norm)
         from common.trainer import resolve_compile
 
         compile_ = resolve_compile({"yes": True, "no": False}.get(args.compile, args.compile), torch.device(device))
-        sampler = Sampler(model.to(device), spec, decoder, objective, args.sampler, args.eta,
-                          args.cfg_scale, args.guided_channels, args.seed, device, args.precision, flow, compile_)
+        sampler = Sampler(model.to(device), spec, decoder, objective, sampling, args.cfg_scale, args.guided_channels,
+                          args.seed, device, args.precision, compile_)
         if args.grid is not None:
             result = run_grid(args, sampler) if state.is_main_process else None
         else:

@@ -109,6 +109,15 @@ class DiTSpec:
         return GaussianDiffusion(self.num_timesteps, self.beta_start, self.beta_end, learn_sigma=self.learn_sigma,
                                  **options)
 
+    def objective(self):
+        """The objective it was trained with (:class:`diffusion.objective.Objective`): SiT's transport as recorded,
+        or its DDPM schedule."""
+        if self.transport is not None:
+            from diffusion.transport import Transport
+
+            return Transport.from_description(self.transport)
+        return self.diffusion()
+
     @property
     def shape(self) -> Tuple[int, int, int]:
         """``(C, H, W)`` of one sample the model denoises."""

@@ -25,10 +25,11 @@ from common.config import ConfigError, Range, config_to_dict
 from common.data import resolve_num_workers
 from common.train_state import step_stem
 from diffusion.data import DataConfig, DiffusionExamples, build_images
-from diffusion.transport import Transport, transport_from_config
+from diffusion.transport import transport_from_config
 
 if TYPE_CHECKING:  # timm, diffusers, torch-fidelity: imported where they are used, so that the settings load without
-    from diffusion.sampler import Decoder, Sampler
+    from diffusion.sampling.decoder import Decoder
+    from diffusion.sampling.sampler import Sampler
     from diffusion.spec import DiTSpec
 
 
@@ -171,7 +172,7 @@ class TrainConfig:
     repa: RepaConfig = field(default_factory=RepaConfig)
 
     def __post_init__(self):
-        from diffusion.sampler import SAMPLERS, TRANSPORT_SAMPLERS
+        from diffusion.sampling.options import SAMPLERS, TRANSPORT_SAMPLERS
 
         allowed = TRANSPORT_SAMPLERS if self.transport.enabled else SAMPLERS
         if self.train.sampler is not None and self.train.sampler not in allowed:
@@ -225,7 +226,7 @@ def build_decoder(cfg: TrainConfig, device, expect: dict) -> Decoder:
     latents, and drawing non-finite samples black (a grid or FID never stops a run). A run without grids and FID
     loads it too, on the CPU, only to check it: the weights record ``data.autoencoder`` as the VAE that decodes them."""
     from diffusion.latents import VAENotFoundError
-    from diffusion.sampler import Decoder
+    from diffusion.sampling.decoder import Decoder
 
     try:
         return Decoder(cfg.data.autoencoder, device, option="data.autoencoder", expect=expect, nonfinite="black",
@@ -243,12 +244,12 @@ def build_sampler(spec: DiTSpec, ema_model, device, decoder: Decoder, steps: int
                   **flow_options) -> Sampler:
     """The sampler of diffusion.sample on the EMA weights, with fixed per-image noise streams (seeded by
     ``(train.seed, index)``), so that grids and FIDs of one run are comparable from step to step. ``flow_options``:
-    a transport's :class:`~diffusion.sampler.FlowSampling` settings (timestep shift, guidance interval)."""
-    from diffusion.sampler import Sampler, sampling_objective
+    a transport's :class:`~diffusion.sampling.chains.FlowSampling` settings (timestep shift, guidance interval)."""
+    from diffusion.sampling.sampler import Sampler, sampling_objective
 
-    objective, name, flow = sampling_objective(spec, steps, sampler, **flow_options)
-    return Sampler(ema_model, spec, decoder, objective, name, cfg_scale=cfg_scale, seed=seed, device=str(device),
-                   precision=precision, flow=flow)
+    objective, sampling = sampling_objective(spec, steps, sampler, **flow_options)
+    return Sampler(ema_model, spec, decoder, objective, sampling, cfg_scale=cfg_scale, seed=seed, device=str(device),
+                   precision=precision)
 
 
 @contextlib.contextmanager
@@ -265,7 +266,7 @@ def eval_mode(model):
 @torch.no_grad()
 def save_grid(sampler, cfg: TrainConfig, path: Path, names) -> None:
     """Sample ``i`` of class ``i % num_classes``, fixed noise: the same grid at every step, upscaled and labelled."""
-    from diffusion.sampler import write_grid
+    from diffusion.sampling.grids import write_grid
 
     indices = torch.arange(cfg.train.sample_count)
     labels = indices % cfg.data.num_classes
@@ -309,7 +310,7 @@ class InTrainingFid:
     def __call__(self, sampler, accelerator) -> Optional[dict]:
         """``fid/...`` metrics on the main process, None on the others."""
         from common.distributed import gather_objects
-        from diffusion.sampler import balanced_labels
+        from diffusion.sampling.sample_sets import balanced_labels
 
         start = time.perf_counter()
         chunks = list(torch.arange(self.cfg.fid_samples).split(self.cfg.fid_batch_size))
@@ -368,13 +369,9 @@ class DiTTask(trainer.Task):
                                          cfg.repa.encoder_kwargs, cfg.repa.encoder_mean, cfg.repa.encoder_std)
             self.encoder.to(accelerator.device)
         self.spec = model_spec(cfg, images)
-        if self.spec.transport is not None:
-            self.transport = Transport.from_description(self.spec.transport)
-            draw = "normal" if self.transport.time_distribution == "logit_normal" else "uniform"
-        else:
-            self.transport, draw = None, "index"
-            self.diffusion = self.spec.diffusion().to(accelerator.device)
-        self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob, draw)
+        self.objective = self.spec.objective().to(accelerator.device)
+        self.train_set = DiffusionExamples(images, cfg.diffusion.num_timesteps, cfg.model.class_dropout_prob,
+                                           self.objective.time_draw)
         self.grid_sampler = self.fid_sampler = None
         self._samplers_built = False
         # Built now, before any training, so that a missing VAE, reference or weights file is an error up front.
@@ -412,29 +409,20 @@ class DiTTask(trainer.Task):
     def loss(self, model, batch):
         x0, y, t, noise, drop, *image = batch  # image: REPA's encoder input
         kwargs = {"y": y, "force_drop_ids": drop.long() if self.cfg.model.class_dropout_prob > 0 else None}
-        network, projected = model, []
-        if self.encoder is not None:  # the one forward also hands out the projected tokens after block repa.depth
-
-            def network(x, timesteps, **kw):
-                out, tokens = model(x, timesteps, align=True, **kw)
-                projected.append(tokens)
-                return out
-
-        if self.transport is not None:
-            losses = self.transport.training_losses(network, x0, self.transport.training_times(t), noise, kwargs)
-        else:
-            losses = self.diffusion.training_losses(network, x0, t, noise, kwargs)
+        if self.encoder is not None:  # the one forward also returns the projected tokens after block repa.depth
+            kwargs["align"] = True
+        losses = self.objective.losses(model, x0, t, noise, kwargs)
         if self.encoder is not None:
             from diffusion.repa import alignment_loss
 
-            losses["repa"] = alignment_loss(self.encoder(image[0]), projected[0])
+            losses["repa"] = alignment_loss(self.encoder(image[0]), losses.pop("extra"))
             losses["loss"] = losses["loss"] + self.cfg.repa.weight * losses["repa"]
         return losses["loss"].mean(), {k: losses[k].mean() for k in self.loss_parts}
 
     def _build_samplers(self, ctx: trainer.StepContext) -> None:
         """The samplers, once, when first needed: the grid sampler on the main process, the FID sampler on every
         process (in-training FID samples on all of them)."""
-        from diffusion.sampler import class_names
+        from diffusion.sampling.grids import class_names
 
         cfg, run, device = self.cfg, self.cfg.train, self.accelerator.device
         self._samplers_built = True

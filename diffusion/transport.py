@@ -21,7 +21,7 @@ Sampling integrates from ``t = 0`` to 1. ODE: the velocity field (:meth:`Transpo
 Heun steps (written here) or an adaptive solver (``torchdiffeq``, as SiT). SDE: ``dx = [v + w_t s] dt +
 sqrt(2 w_t) dW`` with the score ``s`` and a diffusion coefficient ``w_t`` (:data:`DIFFUSION_FORMS`), by
 Euler-Maruyama or SiT's stochastic Heun steps, then one last step to ``t = 1`` (:data:`LAST_STEPS`). The step rules
-are methods here, pure functions of tensors; the loops, noise and guidance are :mod:`diffusion.sampler`'s.
+are methods here, pure functions of tensors; the loops, noise and guidance are :mod:`diffusion.sampling`'s.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 
 from common.cli import InputError
 from diffusion.gaussian_diffusion import mean_flat
+from diffusion.objective import model_and_extra
 
 Tensor = torch.Tensor
 PATHS = ("linear", "gvp", "vp")
@@ -243,8 +244,9 @@ class Transport:
         ``C`` are the prediction (SiT's checkpoints hold the other ``C`` unused). Also returns ``pred``.
         """
         x_t, u_t = self.interpolate(t, noise, x1)
-        out = model(x_t, t, **(model_kwargs or {}))
+        out, extra = model_and_extra(model(x_t, t, **(model_kwargs or {})))
         pred = out.float()[:, : x1.shape[1]]
+        extra = {"extra": extra} if extra is not None else {}
         if self.prediction == "velocity":
             mse = mean_flat((pred - u_t) ** 2)
         else:
@@ -253,9 +255,25 @@ class Transport:
             target_error = pred - noise if self.prediction == "noise" else pred * sigma + noise
             mse = mean_flat(weight * target_error ** 2)
         if not self.cosine_loss_weight:
-            return {"loss": mse, "mse": mse, "pred": pred}
+            return {"loss": mse, "mse": mse, "pred": pred, **extra}
         cos = mean_flat(1 - torch.nn.functional.cosine_similarity(pred, u_t, dim=1))
-        return {"loss": mse + self.cosine_loss_weight * cos, "mse": mse, "cos": cos, "pred": pred}
+        return {"loss": mse + self.cosine_loss_weight * cos, "mse": mse, "cos": cos, "pred": pred, **extra}
+
+    # --------------------------------------------------------------- the objective protocol (diffusion.objective)
+    @property
+    def time_draw(self) -> str:
+        """What a training example draws for its time (:meth:`training_times` maps it)."""
+        return "normal" if self.time_distribution == "logit_normal" else "uniform"
+
+    default_sampler = "sde-euler"  # SiT's FID sampler (diffusion.sampling.chains.FlowSampling)
+
+    def losses(self, model: Callable, x0: Tensor, draw: Tensor, noise: Tensor,
+               model_kwargs: Optional[dict] = None) -> Dict[str, Tensor]:
+        return self.training_losses(model, x0, self.training_times(draw), noise, model_kwargs)
+
+    def to(self, device) -> "Transport":
+        """Nothing to move: the paths are closed forms."""
+        return self
 
     # ---------------------------------------------------------------------------------------- fields
     def score(self, out: Tensor, x: Tensor, t: Tensor) -> Tensor:

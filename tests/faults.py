@@ -122,7 +122,8 @@ def install(point: str, nth: int) -> None:
 
         trainer.Trainer.train_step = train_step_then_signal
     elif point == "sigterm_output":
-        from diffusion import latents, sampler
+        from diffusion import latents
+        from diffusion.sampling import sample_sets
 
         def then_signal(write):
             def wrapper(*args, **kwargs):
@@ -134,7 +135,7 @@ def install(point: str, nth: int) -> None:
 
             return wrapper
 
-        sampler.atomic_savez = then_signal(sampler.atomic_savez)
+        sample_sets.atomic_savez = then_signal(sample_sets.atomic_savez)
         latents.write_shard = then_signal(latents.write_shard)  # before extract_latents imports it
     elif point == "bug":
         original_step = trainer.Trainer.train_step

@@ -142,7 +142,7 @@ def test_train_and_val_with_other_class_names_are_refused(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------- latents and VAEs
 
 def test_grids_of_classes_imagenet_1k_does_not_know_use_the_folder_names(latents, tmp_path):
-    from diffusion.sampler import class_names
+    from diffusion.sampling.grids import class_names
     from diffusion.train import train
 
     assert class_names(3, names=["n99999999", "n01440764", "cat"]) == ["n99999999", "tench", "cat"]
@@ -156,7 +156,7 @@ def test_grids_of_classes_imagenet_1k_does_not_know_use_the_folder_names(latents
 @pytest.mark.parametrize("grids", ["train.sample_every=1", "train.sample_every=0"])
 def test_latents_refuse_a_vae_other_than_theirs(latents, tmp_path, grids):
     """Refused before any work, with or without grids: the weights record data.autoencoder as their VAE."""
-    from diffusion.sampler import VAEMismatchError
+    from diffusion.sampling.decoder import VAEMismatchError
 
     root, meta = latents
     assert len(meta["vae_sha256"]) == 64

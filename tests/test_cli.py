@@ -29,7 +29,7 @@ def test_the_project_input_errors_are_one_type():
     from common.trainer import ResumeError
     from diffusion.extract_latents import ExtractionError
     from diffusion.latents import LatentsError, VAENotFoundError
-    from diffusion.sampler import SamplingError
+    from diffusion.sampling.options import SamplingError
 
     for kind in (CheckpointError, ConfigError, ImageFolderError, DiskWriteError, NonFiniteLossError, RunDirectoryError,
                  RunLockedError, ResumeError, ExtractionError, LatentsError, VAENotFoundError, SamplingError):

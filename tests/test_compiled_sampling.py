@@ -2,7 +2,8 @@
 the last, smaller batch padded to the compiled shape instead of compiling again."""
 import torch
 
-from diffusion.sampler import Decoder, Sampler
+from diffusion.sampling.decoder import Decoder
+from diffusion.sampling.sampler import Sampler
 from tests.test_hub import tiny_dit, tiny_vae
 
 

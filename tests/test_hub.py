@@ -14,7 +14,9 @@ from diffusion.checkpoints import load_dit
 from diffusion.spec import DiTSpec
 from diffusion.pipeline import DiTSamplingPipeline, remote_code
 from diffusion.sample import main as sample_main
-from diffusion.sampler import model_fn_for, sample_generators, sample_loop
+from diffusion.sampling.chains import sample_loop
+from diffusion.sampling.guidance import model_fn_for
+from diffusion.sampling.noise import sample_generators
 
 TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}
 torch.set_num_threads(1)
@@ -91,7 +93,7 @@ LATENT_NORM = {"mean": [0.5, -0.2, 0.1, 0.0], "std": [2.0, 0.5, 1.5, 1.0], "mult
                                                                ("siamese", 2.0, None), ("pre", 2.0, LATENT_NORM)])
 def test_exported_pipeline_samples_as_diffusion_sample_on_the_same_noise(tmp_path, topology, cfg_scale, latent_norm):
     """Export (CLI) -> DiTSamplingPipeline.from_pretrained -> 4 DDPM steps with the learned variance, through a tiny
-    VAE: latents equal diffusion.sampler's chain on the same per-sample streams, images equal diffusion.sample's."""
+    VAE: latents equal diffusion.sampling's chain on the same per-sample streams, images equal diffusion.sample's."""
     vae = tiny_vae(tmp_path / "vae")
     model, spec = tiny_dit(topology, in_channels=4, autoencoder=str(vae), latent_norm=latent_norm)
     ckpt = save_weights(model, tmp_path / "ema.safetensors", metadata=spec.metadata(step=3))

@@ -14,7 +14,9 @@ from diffusion.evaluation.images import open_images, read_sampling_protocol
 from diffusion.checkpoints import load_dit
 from diffusion.models import DIT_TOPOLOGIES, DiT
 from diffusion.sample import main
-from diffusion.sampler import draw_noise, guided_model_fn, model_fn_for, reverse_chain, sample_generator, sample_loop
+from diffusion.sampling.chains import reverse_chain, sample_loop
+from diffusion.sampling.guidance import guided_model_fn, model_fn_for
+from diffusion.sampling.noise import draw_noise, sample_generator
 from tests.test_gaussian_diffusion import adm_space_timesteps, dit_diffusion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -390,7 +392,7 @@ def test_pngs_are_rewritten_atomically_and_every_output_is_fsynced(tiny, tmp_pat
 def test_grids_are_upscaled_and_labelled_with_class_names(tmp_path):
     from PIL import Image
 
-    from diffusion.sampler import class_names, write_grid
+    from diffusion.sampling.grids import class_names, write_grid
 
     assert class_names(10, pixel=True)[9] == "Ankle boot"
     assert class_names(1000)[207] == "golden retriever"
@@ -451,7 +453,7 @@ def test_samples_are_bit_identical_to_the_per_step_draws(tiny, sampler, eta):
 
 
 def test_vectorised_seeds_equal_numpys_seed_sequence():
-    from diffusion.sampler import sample_seeds
+    from diffusion.sampling.noise import sample_seeds
 
     rng = np.random.default_rng(0)
     for seed in (0, 1, 2020, 2 ** 32 - 1, 2 ** 40 + 3):  # the last one: numpy's own path
@@ -462,7 +464,7 @@ def test_vectorised_seeds_equal_numpys_seed_sequence():
 
 @pytest.mark.parametrize("shape", [(1, 8, 8), (3, 5, 5), (2, 3)])
 def test_chain_noise_equals_one_draw_per_step(shape):
-    from diffusion.sampler import chain_noise
+    from diffusion.sampling.noise import chain_noise
 
     gens, again = ([torch.Generator().manual_seed(s) for s in (4, 8)] for _ in range(2))
     windows = list(chain_noise(gens, shape, 70, "cpu"))
@@ -507,7 +509,7 @@ def test_grids_name_the_classes_the_weights_record(tiny, tmp_path):
     """WordNet ids in the metadata become ImageNet's names on the grid; ids ImageNet-1k does not know stay."""
     from PIL import Image
 
-    from diffusion.sampler import class_names, write_grid
+    from diffusion.sampling.grids import class_names, write_grid
 
     wnids = ["n01440764", "n02099601", "n99999999", "n01443537", "n01484850"]
     ckpt = save_with(tiny, tmp_path / "named.safetensors", class_names=json.dumps(wnids))
@@ -540,7 +542,9 @@ def test_bf16_sampling_is_a_recorded_switch(tiny, tmp_path):
 def test_guidance_defaults_to_dits_3_of_4_channels_and_to_every_channel_of_a_smaller_model(tiny, tmp_path):
     """DiT's and SiT's official code guide the first 3 of 4 latent channels; a Fashion-MNIST DiT has one, which the
     default guides (the command line, the trainer's grid sampler and forward_with_cfg alike)."""
-    from diffusion.sampler import Decoder, Sampler, resolve_guided_channels
+    from diffusion.sampling.decoder import Decoder
+    from diffusion.sampling.guidance import resolve_guided_channels
+    from diffusion.sampling.sampler import Sampler
 
     assert [resolve_guided_channels(None, c) for c in (1, 2, 3, 4, 16)] == ["1", "2", "3", "3", "3"]
     out = main(sample_args(tiny, tmp_path / "guided", "--cfg-scale", "1.5"))

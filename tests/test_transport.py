@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from diffusion.models import DiT
-from diffusion.sampler import (FlowSampling, SamplingError, draw_noise, sample_generator, transport_chain,
-                                transport_predict)
+from diffusion.sampling.chains import FlowSampling, transport_chain, transport_predict
+from diffusion.sampling.noise import draw_noise, sample_generator
+from diffusion.sampling.options import SamplingError
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, times
 from tests import sit_reference as sit
 
