@@ -1,6 +1,5 @@
 """DiT's training data: VAE latents (or Fashion-MNIST pixels on CPUs) turned into complete training examples.
 
-* :class:`DataConfig`: the ``data:`` section of a DiT recipe.
 * :class:`LatentImages`: a fresh latent per access, drawn from the VAE moments ``diffusion.extract_latents`` stored
   (the image or its mirror), scaled by the VAE's factor or normalised per channel (LightningDiT's ``latent_norm``);
   :class:`PixelImages`: Fashion-MNIST in [-1, 1], padded, randomly mirrored.
@@ -11,49 +10,15 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Literal, Optional, Union
+from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from common.cli import InputError
-from common.config import ConfigError, Range
 from common.data import FASHION_MNIST_CLASSES, load_fashion_mnist
+from diffusion.config import DataConfig
 from diffusion.latents import LatentDataset, LatentScaling, draw_latent
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    dataset: Literal["latents", "fashion_mnist"]
-    path: Optional[str] = None  # latents: the --out of diffusion.extract_latents; fashion_mnist: optional root
-    autoencoder: str  # VAE that decodes sample grids (dir or HF id); "none" = pixel space
-    image_size: Annotated[int, Range(ge=8)]  # pixels; latents: must match the extraction
-    num_classes: Annotated[int, Range(ge=1)]
-    hflip: bool  # random horizontal flip (latents: the stored flipped view)
-    latent_norm: bool = False  # LightningDiT's per-channel normalisation (z - mean_c) / std_c * latent_multiplier with the latents' own statistics, in place of the VAE's scaling factor
-    latent_multiplier: Annotated[float, Range(gt=0)] = 1.0  # with latent_norm: the factor after normalising (LightningDiT's VA-VAE recipes: 1.0)
-    max_samples: Optional[Annotated[int, Range(ge=1)]] = None  # keep the first N training examples (quick runs, tests)
-    num_workers: Union[Annotated[int, Range(ge=0)], Literal["auto"]] = "auto"  # DataLoader workers per process; auto: from the CPU count
-
-    def __post_init__(self):
-        if self.dataset == "fashion_mnist" and self.autoencoder != "none":
-            raise ConfigError("dataset=fashion_mnist trains in pixel space: set data.autoencoder=none")
-        if self.dataset == "fashion_mnist" and (self.image_size < 28 or self.image_size % 2):
-            raise ConfigError(f"data.image_size={self.image_size}: Fashion-MNIST (28 px) is padded to an even size >= 28")
-        if self.dataset == "fashion_mnist" and self.latent_norm:
-            raise ConfigError("data.latent_norm normalises VAE latents, and dataset=fashion_mnist trains on pixels: set "
-                              "data.latent_norm=false")
-        if not self.latent_norm and self.latent_multiplier != 1.0:
-            raise ConfigError(f"data.latent_multiplier={self.latent_multiplier} scales the normalised latents of "
-                              "data.latent_norm=true; without it the VAE's scaling factor applies: set "
-                              "data.latent_norm=true, or data.latent_multiplier=1")
-
-    def check_ready(self) -> None:
-        """The latents' place, needed to run (not to print a config)."""
-        if self.dataset == "latents" and not self.path:
-            raise ConfigError("data.path is required for dataset=latents: the output directory of "
-                              "`python -m diffusion.extract_latents` (it holds metadata.json)")
 
 
 class PixelImages(Dataset):

@@ -16,7 +16,8 @@ and ``final_metrics.json``. The loop itself is :mod:`common.trainer`; DiT's piec
 from __future__ import annotations
 
 from common.trainer import Trainer, run_cli
-from diffusion.task import DiTTask, TrainConfig
+from diffusion.config import TrainConfig
+from diffusion.task import DiTTask
 
 __all__ = ["TrainConfig", "train", "main"]
 

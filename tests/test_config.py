@@ -209,7 +209,7 @@ def numeric_without_range(tp, where: str) -> list:
 
 
 def test_every_numeric_setting_declares_its_valid_values():
-    from diffusion.task import TrainConfig as DiTConfig
+    from diffusion.config import TrainConfig as DiTConfig
     from vision.config import EvalConfig, TrainConfig as DeiTConfig
 
     for schema in (DeiTConfig, DiTConfig, EvalConfig):
