@@ -27,8 +27,10 @@ after ``--train-warmup`` steps and which process bounds it (main process or data
 :func:`benchmarks.harness.bound`). Every process gets ``--threads`` threads (``OMP_NUM_THREADS``). Each row runs
 ours and the peer's ``--rounds`` times, alternating, the order flipped every round
 (:func:`benchmarks.harness.alternate`), prints each round's rates, CPU, ratio (ours/peer: above 1, ours is faster)
-and load (LOADED above ``--max-load``), then the median ratio; the end is the table (measure, peer, ratio, rates,
-conditions, command) and ``vs_peers.json`` in ``--workdir``.
+and load (LOADED above ``--max-load``), then the median ratio and the median of the peer's CPU seconds over ours
+(the same work on both sides: above 1, ours spends less CPU on it, a figure a busy machine disturbs less than the
+clock); the end is the table (measure, peer, ratios, rates, conditions, command) and ``vs_peers.json`` in
+``--workdir``.
 
 ``--device cuda`` runs every row on the GPU (``benchmarks.gpu_check``'s ``peers`` part does, in a GPU window);
 ``--precision bf16`` (the default on CUDA) trains and evaluates both sides under bf16 autocast (ours
@@ -144,12 +146,14 @@ def measure_row(row: Row, rounds: int, max_load: float, threads: int) -> dict:
     runs = alternate({"ours": row.ours, "peer": row.theirs}, rounds, flip=True, on_round=on_round)
     sides = {side: [r.value for r in rs] for side, rs in runs.items()}
     ratios = [o["rate"] / t["rate"] for o, t in zip(sides["ours"], sides["peer"])]
+    cpu = {side: [s["main_cpu_s"] + s["children_cpu_s"] for s in v] for side, v in sides.items()}
+    cpu_ratios = [t / o for o, t in zip(cpu["ours"], cpu["peer"])]  # the same work: above 1, ours spends less CPU
     result = {"measure": row.measure, "peer": row.peer, "unit": row.unit,
               "ours": statistics.median(s["rate"] for s in sides["ours"]),
               "theirs": statistics.median(s["rate"] for s in sides["peer"]),
               "ratio": statistics.median(ratios), "ratios": ratios, "rounds": rounds, "command": row.command,
-              "cpu_s": {side: statistics.median(s["main_cpu_s"] + s["children_cpu_s"] for s in v)
-                        for side, v in sides.items()},
+              "cpu_s": {side: statistics.median(v) for side, v in cpu.items()},
+              "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios,
               "runs": sides, "conditions": conditions(runs, max_load, threads, row.workers)}
     if "steady" in sides["ours"][0]:
         result["steady_ratios"] = [o["steady"] / t["steady"] for o, t in zip(sides["ours"], sides["peer"])]
@@ -158,8 +162,9 @@ def measure_row(row: Row, rounds: int, max_load: float, threads: int) -> dict:
     print(f"{row.measure}: ours {result['ours']:.2f} {row.unit}, {row.peer} {result['theirs']:.2f}; ratio "
           f"{result['ratio']:.3f} (median of {rounds} rounds: {', '.join(f'{r:.3f}' for r in ratios)})"
           + (f"; after the warm-up {result['steady_ratio']:.3f} ("
-             f"{', '.join(f'{r:.3f}' for r in result['steady_ratios'])})" if "steady_ratio" in result else ""),
-          flush=True)
+             f"{', '.join(f'{r:.3f}' for r in result['steady_ratios'])})" if "steady_ratio" in result else "")
+          + f"; CPU seconds, {row.peer} over ours: {result['cpu_ratio']:.3f} ("
+          f"{', '.join(f'{r:.3f}' for r in cpu_ratios)})", flush=True)
     for side, name in (("ours", "ours"), ("peer", row.peer)):
         if result["bound"][side]:
             print(f"  {name}: {describe_bound(result['bound'][side])}", flush=True)
@@ -179,13 +184,13 @@ def conditions_cell(r: dict) -> str:
 
 def print_table(results: List[dict]) -> None:
     """The final table, in docs/benchmarks.md's columns (Markdown)."""
-    print("\n| measure | peer | ratio (ours/peer) | ours | peer | conditions | command |\n"
-          "|---|---|---|---|---|---|---|")
+    print("\n| measure | peer | ratio (ours/peer) | CPU (peer/ours) | ours | peer | conditions | command |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in results:
         steady = f" (after warm-up {r['steady_ratio']:.2f}x)" if "steady_ratio" in r else ""
         print(f"| {r['measure']} | {r['peer']} | {r['ratio']:.2f}x [{', '.join(f'{x:.2f}' for x in r['ratios'])}]"
-              f"{steady} | {r['ours']:.2f} {r['unit']} | {r['theirs']:.2f} {r['unit']} | {conditions_cell(r)} | "
-              f"`{r['command']}` |")
+              f"{steady} | {r['cpu_ratio']:.2f}x | {r['ours']:.2f} {r['unit']} | {r['theirs']:.2f} {r['unit']} | "
+              f"{conditions_cell(r)} | `{r['command']}` |")
 
 
 # ------------------------------------------------------------------------------------------------- the rows

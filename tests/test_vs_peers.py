@@ -53,11 +53,13 @@ def test_row_alternates_flips_and_reports_per_round_ratios_cpu_and_load(tmp_path
     assert result["conditions"]["loaded_rounds"] == [1, 2, 3] and result["conditions"]["workers"] == 1
     assert all(run["main_cpu_s"] + run["children_cpu_s"] > 0 for run in result["runs"]["ours"] + result["runs"]["peer"])
     assert result["cpu_s"]["ours"] > 0 and result["bound"]["ours"]["bound"] in ("main process", "data worker")
+    assert len(result["cpu_ratios"]) == 3 and result["cpu_ratio"] == sorted(result["cpu_ratios"])[1]
     vs_peers.print_table([result])
     out = capsys.readouterr().out
     assert out.count("trivial round") == 3 and "median of 3 rounds" in out
     assert out.count("LOADED (above -1)") == 3 and "CPU " in out and "3 of 3 above --max-load -1" in out
-    assert "| measure | peer | ratio (ours/peer) | ours | peer | conditions | command |" in out
+    assert "| measure | peer | ratio (ours/peer) | CPU (peer/ours) | ours | peer | conditions | command |" in out
+    assert "CPU seconds, peer cmd over ours: " in out
     assert "| trivial | peer cmd |" in out and "LOADED 3/3" in out
 
 
