@@ -449,7 +449,8 @@ class Trainer:
         self.resumed_window = resumed_log_window(state.get("log_window"), self.rank, self.world,
                                                  3 + len(self.task.loss_parts))
         self.last_record = dict(state.get("last_record") or {})  # a run resumed at its last step logs no new one
-        return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()}}
+        return int(state["step"]), {"from": str(path), "changed": {k: list(v) for k, v in changes.items()},
+                                    "compiled": state.get("compiled")}
 
     # -------------------------------------------------------------------------------------------- run
     def disk_use(self) -> str:
@@ -463,14 +464,19 @@ class Trainer:
                 f"{size(checkpoint + len(files) * weights)} with one checkpoint; the newest "
                 f"train.keep_last={self.run.keep_last}{every} checkpoints are kept")
 
-    def _compile(self, step: int) -> None:
+    def _compile(self, step: int, compiled_before: Optional[bool] = None) -> None:
         """The training model, compiled where ``train.compile`` says so: ``auto`` on a CPU by the steps this
-        invocation runs (from ``step`` to the run's end or ``train.stop_at_step``)."""
+        invocation runs (from ``step`` to the run's end or ``train.stop_at_step``). A resumed run keeps the choice
+        ``auto`` made when the run began (``compiled_before``, from its checkpoint): compiled and eager steps round
+        differently, and a resume must reach the uninterrupted run's weights."""
         run, accelerator, pays_after = self.run, self.accelerator, self.task.compile_pays_after_steps_on_cpu
         steps = max(min(self.total_steps, run.stop_at_step or self.total_steps) - step, 0)
-        self.compiled = resolve_compile(run.compile, accelerator.device, steps, pays_after)
+        if run.compile == "auto" and compiled_before is not None:
+            self.compiled = compiled_before
+        else:
+            self.compiled = resolve_compile(run.compile, accelerator.device, steps, pays_after)
         check_engine(accelerator, self.compiled)
-        if self.compiled and run.compile == "auto" and accelerator.device.type == "cpu":
+        if self.compiled and run.compile == "auto" and accelerator.device.type == "cpu" and compiled_before is None:
             accelerator.print(f"train.compile=auto: compiling the training model for the {steps} optimizer steps to "
                               f"run (on a CPU it pays back after {pays_after}; train.compile=false: eager)")
         self.train_model = torch.compile(self.model) if self.compiled else self.model
@@ -478,7 +484,7 @@ class Trainer:
     def _fit(self) -> dict:
         accelerator, run = self.accelerator, self.run
         step, resumed = self._resume()
-        self._compile(step)
+        self._compile(step, resumed.get("compiled") if resumed else None)
         final_file = self.run_dir / FINAL_METRICS_FILE
         if step >= self.total_steps and final_file.is_file():
             accelerator.print(f"{self.run_dir} already finished at step {step}; its results are in {final_file} "
@@ -643,7 +649,7 @@ class Trainer:
                 "rng": list(rng), "log_window": list(window), "last_record": self.last_record,
                 "nonfinite": self.guard.state_dict(), "world_size": self.world,
                 "config": config_to_dict(self.cfg), "hooks_pending": hooks_pending,
-                "weights_metadata": self.task.weights_metadata(self.step),
+                "weights_metadata": self.task.weights_metadata(self.step), "compiled": self.compiled,
             }, self.step)
             if self.ema is not None:  # the freshest EMA weights, for samplers and evaluators, at every checkpoint
                 save_weights(self.ema.module, self.run_dir / "ema.safetensors",
