@@ -54,6 +54,7 @@ import torch
 
 from common.checkpoint import weights_fingerprint
 from common.cli import ArgumentParser, one_line_errors
+from common.config import did_you_mean
 from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.preemption import command_stop_signals, exit_when_stopped
 from common.topologies import topology_names
@@ -242,7 +243,8 @@ def check_args(args) -> None:
         from diffusion.models import DIT_TOPOLOGIES, DiT_models
 
         if args.model is not None and args.model not in DiT_models:
-            raise SamplingError(f"--model {args.model!r} is not a DiT; choose one of {', '.join(DiT_models)}")
+            raise SamplingError(f"--model {args.model!r} is not a DiT{did_you_mean(args.model, DiT_models)}; choose one "
+                                f"of {', '.join(DiT_models)}")
         if args.topology is not None and args.topology not in DIT_TOPOLOGIES:
             raise SamplingError(f"--topology {args.topology!r}: choose one of {', '.join(DIT_TOPOLOGIES)}")
 

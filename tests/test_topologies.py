@@ -41,7 +41,7 @@ def test_an_option_of_another_topology_is_refused_naming_its_topologies():
         check_model_kwargs("deit_tiny_mixln_patch16_224", {"mixln_post_blocks": 13})
     with pytest.raises(InputError, match="the sandwich topology is not offered for DiT"):
         resolve_topology("sandwich", 4, "dit")
-    with pytest.raises(InputError, match=r"unknown residual topology 'siamse' \(did you mean siamese\?\)"):
+    with pytest.raises(InputError, match=r"unknown residual topology 'siamse' \(did you mean 'siamese'\?\)"):
         resolve_topology("siamse", 4)
     check_model_kwargs("deit_tiny_hc_patch16_224", {"hc_streams": 2, "topology": "mhc", "mhc_sinkhorn_iters": 3})
 

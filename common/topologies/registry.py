@@ -8,7 +8,6 @@ object a model builds its blocks, streams and output from.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
@@ -16,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from common.cli import InputError
+from common.config import did_you_mean
 from common.topologies.base import NormLayer, ResidualBlock, SingleStream, default_norm, single_stream_output
 
 FAMILIES = ("deit", "dit")
@@ -100,9 +100,8 @@ def check_topology(name: str, family: Optional[str] = None) -> Topology:
     if name in TOPOLOGIES:
         raise InputError(f"the {name} topology is not offered for {FAMILY_NAMES[family]}; valid topologies are "
                          f"{', '.join(allowed)}")
-    close = difflib.get_close_matches(str(name), allowed, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    raise InputError(f"unknown residual topology {name!r}{hint}; valid topologies are {', '.join(allowed)}")
+    raise InputError(f"unknown residual topology {name!r}{did_you_mean(name, allowed)}; valid topologies are "
+                     f"{', '.join(allowed)}")
 
 
 @lru_cache(maxsize=None)
