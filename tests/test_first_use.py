@@ -114,6 +114,11 @@ def test_a_misspelt_model_name_gets_the_nearest_name_as_a_misspelt_key_does(tmp_
     line = refusal(export_main, ["--checkpoint", tmp_path / "plain.pt", "--out", tmp_path / "out", "--model", "DiT-B2",
                                  "--image-size", "256"], capsys)
     assert "--model 'DiT-B2' is not a DiT (did you mean 'DiT-B/2'?)" in line, line
+    from diffusion.sample import main as sample_main
+
+    line = refusal(sample_main, ["--checkpoint", tmp_path / "plain.pt", "--grid", tmp_path / "g.png", "--model",
+                                 "LightningDiT-XL1", "--image-size", "256"], capsys)
+    assert "--model 'LightningDiT-XL1' is not a DiT (did you mean 'LightningDiT-XL/1'?)" in line, line
 
 
 # ------------------------------------------------------------------------------------------- docs
