@@ -159,15 +159,6 @@ def latent_from_moments(mean: torch.Tensor, logvar: torch.Tensor, noise: torch.T
     return scaling.apply(mean + torch.exp(0.5 * logvar) * noise)
 
 
-def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, flip: torch.Tensor, noise: torch.Tensor,
-                   scale: Union[float, LatentScaling]):
-    """A fresh scaled latent per sample: view ``flip`` (bool, B) of the stored moments (B, 2, C, h, w),
-    ``scale * (mean + exp(logvar / 2) * noise)``."""
-    rows = torch.arange(mean.shape[0], device=mean.device)
-    view = flip.long().to(mean.device)
-    return latent_from_moments(mean[rows, view].float(), logvar[rows, view].float(), noise, scale)
-
-
 def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True, with_image: bool = False,
                 scaling: Optional[LatentScaling] = None):
     """A fresh training latent of image ``i`` and its label: ``(latent (C, h, w), label)``; ``with_image`` appends the
@@ -176,7 +167,7 @@ def draw_latent(moments: "LatentDataset", i: int, hflip: bool = True, with_image
 
     Draws the flip (view 1, the mirror, with probability 1/2 when ``hflip``), reads only that view's moments
     (:meth:`LatentDataset.read_view`, half the bytes), then draws the noise: the same torch draws in the same
-    order as reading both views and choosing one (``moments[i]`` + :func:`sample_latents`), so a given
+    order as reading both views and choosing one, so a given
     seed gives the same latent either way.
     """
     flip = bool(torch.rand(1) < 0.5) if hflip else False
@@ -247,7 +238,7 @@ def rerun_hint(root: Path, meta: dict) -> str:
 
 class LatentDataset(Dataset):
     """Stored latent moments, one item per image: ``(mean, logvar, label)`` with mean/logvar
-    (2 views, C, h, w) float32. Draw the training latent with :func:`sample_latents`.
+    (2 views, C, h, w) float32. Draw the training latent with :func:`draw_latent`.
 
     Shards are memory-mapped (safetensors) and read one row at a time, so the dataset does not need
     to fit in memory.

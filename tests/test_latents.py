@@ -16,12 +16,20 @@ from diffusion.latents import (
     VAENotFoundError,
     encode_moments,
     image_to_tensor,
+    latent_from_moments,
     load_vae,
-    sample_latents,
     shard_name,
 )
 
 SIZES = [(40, 50), (70, 33), (32, 32), (97, 64)]
+
+
+def sample_latents(mean, logvar, flip, noise, scale):
+    """The reference of draw_latent, batched: view ``flip`` (bool, B) of the stored moments (B, 2, C, h, w),
+    ``scale * (mean + exp(logvar / 2) * noise)``."""
+    rows = torch.arange(mean.shape[0], device=mean.device)
+    view = flip.long().to(mean.device)
+    return latent_from_moments(mean[rows, view].float(), logvar[rows, view].float(), noise, scale)
 
 
 @pytest.fixture(scope="module")
