@@ -222,7 +222,7 @@ def test_one_view_read_equals_the_two_view_read(setup, tmp_path):
     reading both views and choosing with sample_latents (the loader as it was, re-stated here)."""
     from common.data import seeded_rng
     from diffusion.data import LatentImages
-    from diffusion.latents import draw_latent, sample_latents
+    from diffusion.latents import draw_latent
 
     def two_views(i):
         mean, logvar, label = ds[i]
