@@ -151,6 +151,27 @@ class LatentScaling:
         return x * self.std.to(x) / self.multiplier + self.mean.to(x)
 
 
+def read_latent_stats(path, multiplier: float = 1.0) -> dict:
+    """LightningDiT's normalisation of a model's latents, ``{"mean", "std", "multiplier"}``, from its
+    ``latents_stats.pt`` (``{"mean", "std"}`` tensors of shape ``(1, C, 1, 1)``) or an extraction's
+    ``metadata.json`` (``latent_mean``, ``latent_std``): what ``diffusion.sample --latent-stats`` undoes before decoding
+    LightningDiT's own checkpoints, which record none."""
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            meta = json.loads(path.read_text())
+            mean, std = meta["latent_mean"], meta["latent_std"]
+        else:
+            stats = torch.load(path, map_location="cpu", weights_only=True)
+            mean, std = stats["mean"].flatten().tolist(), stats["std"].flatten().tolist()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+        raise InputError(f"--latent-stats {path}: not LightningDiT's latents_stats.pt ({{'mean', 'std'}} tensors) or an "
+                         f"extraction's metadata.json with latent_mean and latent_std ({type(err).__name__}: {err})") from None
+    if mean is None or std is None or len(mean) != len(std):
+        raise InputError(f"--latent-stats {path}: its mean and std give {len(mean or [])} and {len(std or [])} channels")
+    return {"mean": [float(v) for v in mean], "std": [float(v) for v in std], "multiplier": float(multiplier)}
+
+
 def latent_from_moments(mean: torch.Tensor, logvar: torch.Tensor, noise: torch.Tensor,
                         scale: Union[float, LatentScaling]) -> torch.Tensor:
     """A draw from the posterior, scaled: ``scale * (mean + exp(logvar / 2) * noise)`` (a :class:`LatentScaling`:

@@ -59,6 +59,7 @@ from common.distributed import cuda_available, use_fast_cuda_kernels
 from common.preemption import command_stop_signals, exit_when_stopped
 from common.topologies import topology_names
 from diffusion.gaussian_diffusion import SPACINGS
+from diffusion.latents import read_latent_stats
 from diffusion.sampling.decoder import Decoder
 from diffusion.sampling.grids import class_names, write_grid
 from diffusion.sampling.guidance import resolve_guided_channels
@@ -202,6 +203,11 @@ def parse_args(argv=None):
                         "SD VAE, 16 for LightningDiT's VA-VAE); without it the weights' position table gives the size")
     m.add_argument("--num-classes", type=int, default=None)
     m.add_argument("--vae", default=None, help="AutoencoderKL directory or cached HF id; 'none' for pixel space")
+    m.add_argument("--latent-stats", type=Path, default=None, help="the latents' per-channel mean and std the model "
+                   "was trained on (LightningDiT's normalisation): LightningDiT's latents_stats.pt or an extraction's "
+                   "metadata.json; undone before decoding (LightningDiT's own checkpoints record none)")
+    m.add_argument("--latent-multiplier", type=float, default=1.0, help="with --latent-stats: the factor after "
+                   "normalising (LightningDiT's VA-VAE recipes: 1.0)")
     p.add_argument("--device", default=None, help="default: this process's accelerator device")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no JSON summary on stdout")
     return p.parse_args(argv)
@@ -288,8 +294,10 @@ def main(argv=None) -> Optional[dict]:
         device = args.device or str(state.device)
         use_fast_cuda_kernels()  # TF32 as DiT's sample.py, cudnn's autotuner for the VAE
         transport = transport_override(args)
+        latent_norm = read_latent_stats(args.latent_stats, args.latent_multiplier) if args.latent_stats else None
         overrides = {"name": args.model, "topology": args.topology, "image_size": args.image_size,
-                     "num_classes": args.num_classes, "autoencoder": args.vae, "transport": transport}
+                     "num_classes": args.num_classes, "autoencoder": args.vae, "transport": transport,
+                     "latent_norm": latent_norm}
         model, spec, args.weights_used = load_dit(args.checkpoint, overrides, args.weights)
         if args.labels is not None:
             check_labels(parse_labels(args.labels), spec.num_classes)  # before the VAE loads

@@ -181,6 +181,30 @@ def test_step_checkpoints_sample_as_the_ema_file_and_the_samples_score_and_expor
     assert np.array_equal(np.load(tmp_path / "from_hub" / "samples.npz")["arr_0"], from_ema)
 
 
+def test_latent_stats_in_lightningdits_layout_give_the_normalisation_to_undo(chain, tmp_path, capsys):
+    """diffusion.sample --latent-stats (LightningDiT's latents_stats.pt, whose checkpoints record no statistics): the
+    run's own statistics sample as the recorded ones do; others decode otherwise, and the set records them."""
+    from tests.refusals import refusal
+
+    out = chain["root"] / "run"
+    meta = json.loads((chain["root"] / "latents" / "metadata.json").read_text())
+    as_lightningdit = lambda mean, std: {"mean": torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1),  # noqa: E731
+                                         "std": torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)}
+    torch.save(as_lightningdit(meta["latent_mean"], meta["latent_std"]), tmp_path / "own.pt")
+    torch.save(as_lightningdit([0.0] * CHANNELS, [2.0] * CHANNELS), tmp_path / "other.pt")
+    sample(out / "ema.safetensors", tmp_path / "recorded")
+    sample(out / "ema.safetensors", tmp_path / "own", "--latent-stats", str(tmp_path / "own.pt"))
+    sample(out / "ema.safetensors", tmp_path / "other", "--latent-stats", str(tmp_path / "other.pt"))
+    images = {d: np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("recorded", "own", "other")}
+    assert np.array_equal(images["recorded"], images["own"]) and not np.array_equal(images["own"], images["other"])
+    settings = json.loads((tmp_path / "other" / "settings.json").read_text())
+    assert settings["model"]["latent_norm"] == {"mean": [0.0] * CHANNELS, "std": [2.0] * CHANNELS, "multiplier": 1.0}
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file")
+    line = refusal(sample_main, ["--checkpoint", out / "ema.safetensors", "--grid", tmp_path / "g.png",
+                                 "--latent-stats", tmp_path / "bad.pt"], capsys)
+    assert line.startswith(f"error: --latent-stats {tmp_path / 'bad.pt'}: not LightningDiT's latents_stats.pt"), line
+
+
 def test_a_step_checkpoint_that_records_no_spec_takes_the_latents_geometry_from_its_weights(chain, tmp_path):
     """Checkpoints written before they recorded the model's description hold only the run's config, which does not
     say the VAE's downsampling or channels: the weights' patch embedding and position table do."""
