@@ -23,6 +23,7 @@ A shard's header also holds its per-channel sums of the posterior draws (:func:`
 from __future__ import annotations
 
 import json
+import pickle
 import os
 import warnings
 from bisect import bisect_right
@@ -164,7 +165,7 @@ def read_latent_stats(path, multiplier: float = 1.0) -> dict:
         else:
             stats = torch.load(path, map_location="cpu", weights_only=True)
             mean, std = stats["mean"].flatten().tolist(), stats["std"].flatten().tolist()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, pickle.UnpicklingError) as err:
         raise InputError(f"--latent-stats {path}: not LightningDiT's latents_stats.pt ({{'mean', 'std'}} tensors) or an "
                          f"extraction's metadata.json with latent_mean and latent_std ({type(err).__name__}: {err})") from None
     if mean is None or std is None or len(mean) != len(std):
