@@ -40,7 +40,8 @@ def shrunk(latents, vae, out):
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """Images -> VAE -> latents -> one-process training run (each command's process kept for the tests)."""
+    """Images -> VAE -> latents -> one-process training run (each command's exit status and output kept for the
+    tests)."""
     from diffusers import AutoencoderKL
 
     root = tmp_path_factory.mktemp("dit_chain")
