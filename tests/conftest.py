@@ -32,11 +32,13 @@ def pytest_configure(config):
 # free, in collection order, so a long file collected last would leave the other worker idle while it runs. Files
 # that start several processes (cluster, faults, the trainers, the rehearsals) alternate with files that compute in
 # one, because two multi-process files side by side put three or four busy processes on the two cores.
-FILE_ORDER = ("test_cluster.py", "test_timm_suite.py", "test_faults.py", "test_gpu_check.py",
-              "test_diffusion_train.py", "test_compare.py", "test_paper_imagenet.py", "test_metrics.py",
-              "test_rehearsal_dit.py", "test_startup.py", "test_vision_train.py", "test_fid.py",
-              "test_rehearsal_deit.py", "test_demo.py", "test_cli.py", "test_vision_data.py", "test_trackers.py",
-              "test_bad_input.py")
+FILE_ORDER = ("test_cluster.py", "test_cuda_defaults.py", "test_faults.py", "test_step.py", "test_diffusion_train.py",
+              "test_timm_suite.py", "test_rehearsal_dit.py", "test_gpu_check.py", "test_vision_train.py",
+              "test_compiled_sampling.py", "test_compare.py", "test_metrics.py", "test_demo.py",
+              "test_deit_features.py", "test_sample.py", "test_compiled_eval.py", "test_paper_imagenet.py",
+              "test_dit_models.py", "test_startup.py", "test_fid.py", "test_cli.py", "test_trackers.py",
+              "test_transport.py", "test_vision_data.py", "test_hub.py", "test_rehearsal_deit.py", "test_bad_input.py",
+              "test_vs_peers.py", "test_deit3.py")
 
 
 def pytest_collection_modifyitems(config, items):
