@@ -1,6 +1,6 @@
 """scripts.paper_imagenet: the paper's ImageNet study end to end on the CPU (tiny models, a tiny ImageFolder and tiny
-latents, one job preempted by a real SIGTERM, the rerun continuing it), and its SLURM submissions as a stand-in
-``sbatch`` records them."""
+latents; the study and its jobs in the test's process but one, forked by the launcher, preempted by a real SIGTERM,
+the rerun continuing it), and its SLURM submissions as a stand-in ``sbatch`` records them."""
 import json
 import os
 import subprocess
@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from comparison.paper_imagenet import fork_module
 from tests.refusals import refusal
 from tests.rehearsal import write_image_folder
 from tests.test_bad_input import extract, tiny_vae, write_folder
@@ -47,22 +48,65 @@ def study(out, inputs, *extra):
             "--sample-steps", "2", "--sample-batch-size", "4", "--set-deit", *DEIT, "--set-dit", *DIT, *extra]
 
 
-def run(*args, env=None):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+PREEMPTED = "dit_l4_siamese.yaml"  # the recipe of the job a real SIGTERM preempts
 
 
-def test_the_study_runs_end_to_end_and_a_preempted_job_continues(inputs, tmp_path):
+def run_job(module: str, args) -> int:
+    """The local launcher's ``fork_module`` in this test: a job's own ``main(argv)`` in this process, as a fresh
+    process would run it (accelerate's state is one per process), except DiT-L/4 SiameseNorm's training, which the
+    launcher forks as it forks every job: the process that gets the real SIGTERM, and the one that continues it."""
+    import importlib
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if any(a.endswith(PREEMPTED) for a in args):
+        return fork_module(module, args)
+    try:
+        importlib.import_module(module).main(list(args))
+    except SystemExit as stop:
+        return stop.code or 0
+    return 0
+
+
+@pytest.fixture
+def jobs_in_this_process(monkeypatch):
+    """The local launcher runs its jobs by ``run_job``; what they leave in this process (accelerate's state, torch's
+    thread count) is undone after the test."""
+    import torch
+    from accelerate.state import AcceleratorState
+
+    from comparison import paper_imagenet
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(paper_imagenet, "fork_module", run_job)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.filterwarnings("ignore:skipping unreadable image:UserWarning",  # the ImageNet copy's truncated file
+                            "ignore:.*covariance is singular:UserWarning")  # FID of 4 samples
+def test_the_study_runs_end_to_end_and_a_preempted_job_continues(inputs, tmp_path, monkeypatch, capfd,
+                                                                   jobs_in_this_process):
+    from common import trainer
     from common.logging import read_metrics
     from common.train_state import CheckpointManager
+    from scripts.paper_imagenet import main
+    from tests import faults
 
     out = tmp_path / "paper"
-    # DiT-L/4 SiameseNorm's training gets a real SIGTERM after its step 2: it checkpoints and exits 4; the study stops.
-    first = run("-m", "tests.faults", "sigterm", "2", "--", "-m", "scripts.paper_imagenet", *study(out, inputs),
-                env={"FAULT_ARGV": "dit_l4_siamese.yaml"})
-    assert first.returncode == 4, first.stderr[-4000:]
-    assert "Plan (local): 10 jobs, 0 finished and kept" in first.stdout and "GPU-h  after: train_dit_l4_pre" in first.stdout
-    assert "train_dit_l4_siamese stopped with a checkpoint (exit 4)" in first.stdout
+    argv = [str(a) for a in study(out, inputs)]
+    with monkeypatch.context() as fault:  # DiT-L/4 SiameseNorm's training gets a real SIGTERM after its step 2
+        fault.setenv("FAULT_ARGV", PREEMPTED)
+        fault.setattr(trainer.Trainer, "train_step", trainer.Trainer.train_step)
+        faults.install("sigterm", 2)
+        status = main(argv)  # it checkpoints and exits 4; the study stops
+    first = capfd.readouterr()
+    assert status == 4, first.err[-4000:]
+    assert "Plan (local): 10 jobs, 0 finished and kept" in first.out and "GPU-h  after: train_dit_l4_pre" in first.out
+    assert "SIGTERM received" in first.out + first.err
+    assert "train_dit_l4_siamese stopped with a checkpoint (exit 4)" in first.out
     preempted = out / "runs" / "dit_l4_siamese"
     assert CheckpointManager(preempted / "checkpoints").steps() == [2] and not (preempted / "final_metrics.json").exists()
     finished = [out / "runs" / "deit_tiny_pre" / "top1.json", out / "runs" / "deit_tiny_siamese" / "top1.json",
@@ -71,12 +115,14 @@ def test_the_study_runs_end_to_end_and_a_preempted_job_continues(inputs, tmp_pat
     report = (out / "report.md").read_text()
     assert "| [dit_l4](dit_l4/report.md) | FID-50K (ADM reference) | -- | -- | -- | 45.21 | 41.34 | -3.87 |" in report
 
-    second = run("-m", "scripts.paper_imagenet", *study(out, inputs))  # the same command: it continues
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "Plan (local): 10 jobs, 5 finished and kept" in second.stdout
+    status = main(argv)  # the same command: it continues
+    second = capfd.readouterr()
+    assert status == 0, second.err[-4000:]
+    assert "Plan (local): 10 jobs, 5 finished and kept" in second.out
     assert [f.stat().st_mtime_ns for f in finished] == stamps  # finished jobs are not redone
-    steps = [r["step"] for r in read_metrics(preempted) if "train/loss" in r]
-    assert steps == [1, 2, 3, 4]  # continued from its step-2 checkpoint
+    records = read_metrics(preempted)
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r.get("event") == "resumed"] == [2]  # continued from its step-2 checkpoint
     report = (out / "report.md").read_text()
     top1 = json.loads(finished[0].read_text())["top1"]
     fid = json.loads((preempted / "fid_samples" / "fid.json").read_text())["metrics"]["fid"]
