@@ -4,10 +4,7 @@ What reaches them: the training curves, sample grids as images, and the run's co
 size, ...) as hyper-parameters, never as one-point curves. A resumed run continues the same W&B run.
 """
 import glob
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +17,34 @@ DIT = ["--config", str(ROOT / "configs/fmnist_dit_siamese.yaml"), "model.kwargs=
        "data.num_workers=0", "train.threads=1", "data.max_samples=32", "optim.batch_size=8", "optim.steps=4",
        "train.log_every=2", "train.sample_every=2", "train.sample_count=2", "train.sample_steps=2",
        "train.ema_decay=0.5", "train.ckpt_every=2"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 
-def train(out: Path, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diffusion.train", *DIT, *extra, f"train.output_dir={out}"], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+def train(out: Path, *extra) -> int:
+    """``python -m diffusion.train`` in this process: its exit status (3: paused at ``train.stop_at_step``). A fresh
+    accelerate state for each invocation, as a process of its own has."""
+    from accelerate.state import AcceleratorState
+
+    from diffusion.train import main
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        main([*DIT, *extra, f"train.output_dir={out}"])
+    except SystemExit as stop:
+        return stop.code or 0
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return 0
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch):
+    """The real package, offline and silent; its service process, started by the first run in this process, is shut
+    down after the test (it also clears WANDB_SERVICE, which later processes would otherwise inherit)."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    wandb.teardown()
 
 
 def wandb_records(run_file: str) -> list:
@@ -66,16 +85,17 @@ def history_and_config(run_dir: Path):
     return files, history, config
 
 
-def test_weights_and_biases_offline_gets_curves_grids_and_constants_and_a_resumed_run_continues_it(tmp_path):
+def test_weights_and_biases_offline_gets_curves_grids_and_constants_and_a_resumed_run_continues_it(tmp_path,
+                                                                                                    wandb_offline):
     """Paused at step 2 (exit 3), then resumed to step 4: one W&B run id over both invocations, the curves and sample
     grids of both, the constants as config (never as curves), TensorBoard beside it."""
-    pytest.importorskip("wandb")
+    import wandb
+
     out = tmp_path / "run"
-    proc = train(out, "train.trackers=[wandb]", "train.stop_at_step=2")
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert train(out, "train.trackers=[wandb]", "train.stop_at_step=2") == 3
+    assert wandb.run is None  # the paused invocation finished its W&B run
     first_id = (out / ".tracker_run_id").read_text()
-    proc = train(out, "train.trackers=[wandb]")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train(out, "train.trackers=[wandb]") == 0
     files, history, config = history_and_config(out)
     assert len(files) == 2 and all(first_id in f for f in files)  # two invocations, one W&B run id
     assert {"train/loss", "train/mse", "train/grad_norm"} <= history[2] and "train/loss" in history[4]
