@@ -23,8 +23,6 @@ from typing import Dict, List, Optional, Sequence
 from benchmarks.harness import alternate, conditions, default_max_load, describe_conditions, time_call
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("timm", "torchvision", "diffusers", "accelerate", "torch_fidelity", "scipy", "datasets", "pyarrow",
-         "webdataset")
 BARE = ["-c", "import torch"]
 TARGET_RATIO = 1.5
 
