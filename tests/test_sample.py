@@ -16,8 +16,13 @@ from diffusion.models import DIT_TOPOLOGIES, DiT
 from diffusion.sample import main
 from diffusion.sampling.chains import reverse_chain, sample_loop
 from diffusion.sampling.guidance import guided_model_fn, model_fn_for
-from diffusion.sampling.noise import draw_noise, sample_generator
+from diffusion.sampling.noise import draw_noise, sample_generators
 from tests.test_gaussian_diffusion import adm_space_timesteps, dit_diffusion
+
+
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """The noise stream of one global sample index (the library hands out one per sample of a batch)."""
+    return sample_generators(seed, [index])[0]
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "depth": 2, "num_heads": 2}

@@ -8,10 +8,11 @@ import torch
 
 from diffusion.models import DiT
 from diffusion.sampling.chains import FlowSampling, transport_chain, transport_predict
-from diffusion.sampling.noise import draw_noise, sample_generator
+from diffusion.sampling.noise import draw_noise
 from diffusion.sampling.options import SamplingError
 from diffusion.transport import DIFFUSION_FORMS, LAST_STEPS, Transport, times
 from tests import sit_reference as sit
+from tests.test_sample import sample_generator
 
 torch.set_num_threads(1)
 SHAPE = (2, 8, 8)  # two channels: a learned-sigma model outputs four, and guiding "3" of them is meaningful

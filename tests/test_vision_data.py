@@ -11,8 +11,14 @@ from PIL import Image
 
 import common.data as cdata
 from common.data import ResumableSampler, SeededDataset, read_idx
-from vision.data import DataConfig, build_dataset, skipped_images
+from vision.data import DataConfig, build_dataset, unreadable_flags
 from vision.augment import AugmentConfig, build_mixup, build_transform
+
+
+def skipped_images(dataset) -> int:
+    """How many distinct unreadable files a dataset (possibly wrapped) has met so far, over all workers."""
+    flags = unreadable_flags(dataset)
+    return 0 if flags is None else int(flags.sum())
 
 
 def write_idx(path, array):

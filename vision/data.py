@@ -7,7 +7,7 @@ Fashion-MNIST, image files, loaders.
   vision.shard``); ``fashion_mnist`` reads the IDX files (``path`` optional: a torchvision root).
 * :func:`build_splits`: both splits, refused unless they list the same classes (what a training checks first).
 * :class:`ReadableImages` (:class:`ReadableImageFolder` for a folder): an unreadable image is replaced by the next
-  readable one, with a warning naming it; ``skipped_images(dataset)`` counts the distinct images across DataLoader
+  readable one, with a warning naming it; :func:`unreadable_flags` marks the distinct images across DataLoader
   workers; in the val split an unreadable image is left out of the metrics and named instead.
 * :func:`load_rgb` / :func:`load_rgb_tensor`: an image file as RGB (PIL, or uint8 tensor for the device-side
   augmentation of :mod:`vision.augment`).
@@ -116,12 +116,6 @@ def unreadable_flags(dataset: Dataset) -> Optional[torch.Tensor]:
         dataset = dataset.dataset
     flags = getattr(dataset, "unreadable", None)
     return None if flags is None else torch.frombuffer(flags, dtype=torch.uint8) if len(flags) else torch.zeros(0)
-
-
-def skipped_images(dataset: Dataset) -> int:
-    """How many distinct unreadable files a dataset (possibly wrapped) has met so far, over all workers."""
-    flags = unreadable_flags(dataset)
-    return 0 if flags is None else int(flags.sum())
 
 
 def _layout(root: Path, split: str) -> str:

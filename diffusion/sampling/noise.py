@@ -56,10 +56,6 @@ def sample_generators(seed: int, indices) -> List[torch.Generator]:
     return [torch.Generator().manual_seed(int(s)) for s in sample_seeds(seed, indices)]
 
 
-def sample_generator(seed: int, index: int) -> torch.Generator:
-    return sample_generators(seed, [index])[0]
-
-
 def draw_noise(generators: Sequence[torch.Generator], shape: Sequence[int]) -> Tensor:
     """One standard normal draw of ``shape`` from each sample's stream (on the CPU), stacked into a batch."""
     return torch.stack([torch.randn(tuple(shape), generator=g) for g in generators])
