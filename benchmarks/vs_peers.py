@@ -141,7 +141,7 @@ def measure_row(row: Row, rounds: int, max_load: float, threads: int) -> dict:
         ours, theirs = runs["ours"][-1].value, runs["peer"][-1].value
         print(f"{row.measure} round {index + 1}/{rounds}: ours {ours['rate']:.2f} {row.unit} ({side_note(ours)}), "
               f"{row.peer} {theirs['rate']:.2f} ({side_note(theirs)}): ratio {ours['rate'] / theirs['rate']:.3f}; "
-              f"{load_note(runs.loads[-1], max_load)}", flush=True)
+              f"{load_note(runs.loads[-1], max_load, row.workers)}", flush=True)
 
     runs = alternate({"ours": row.ours, "peer": row.theirs}, rounds, flip=True, on_round=on_round)
     sides = {side: [r.value for r in rs] for side, rs in runs.items()}

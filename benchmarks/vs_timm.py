@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return m
 
     def on_round(index, runs):
-        print(f"round {index + 1}/{a.rounds}: {load_note(runs.loads[-1], a.max_load)}", flush=True)
+        print(f"round {index + 1}/{a.rounds}: {load_note(runs.loads[-1], a.max_load, a.workers)}", flush=True)
 
     sides = [name for name in ("ours", "timm") if not a.only or name == a.only]
     runs = alternate({name: (lambda name=name: train(name)) for name in sides}, a.rounds, flip=True, on_round=on_round)

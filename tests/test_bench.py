@@ -124,8 +124,12 @@ def test_every_round_carries_its_load_and_every_call_its_cpu_and_a_loaded_round_
     assert all(len(r.load) == 2 for rs in runs.values() for r in rs)
     assert all(r.children_cpu_seconds > 0 for r in runs["command"])  # the command's CPU, counted once it ended
     assert all(r.children_cpu_seconds == 0 for r in runs["nothing"])
-    quiet, loaded = harness.conditions(runs, max_load=1e9, threads=1), harness.conditions(runs, max_load=-1, workers=2)
+    quiet, loaded = harness.conditions(runs, max_load=1e9, threads=1), harness.conditions(runs, max_load=-3, workers=2)
     assert quiet["loaded_rounds"] == [] and loaded["loaded_rounds"] == [1, 2]
+    # the bar counts the benchmark's own data workers: a load of 2.5 is quiet for a side with one worker on 2 cores
+    assert not harness.is_loaded((1.0, 2.5), 2, workers=1) and harness.is_loaded((1.0, 3.5), 2, workers=1)
+    assert harness.is_loaded((1.0, 2.5), 2) and harness.load_note((1.0, 3.5), 2, 1).endswith("LOADED (above 3)")
+    assert "above --max-load -3 + its 2 data worker(s)" in harness.describe_conditions(loaded)
     assert set(quiet["sides"]) == {"command", "nothing"} and quiet["sides"]["command"]["children_cpu_s"] > 0
     assert "LOADED" in harness.describe_conditions(loaded) and "2 data worker(s)" in harness.describe_conditions(loaded)
     assert "LOADED" not in harness.describe_conditions(quiet) and "none above --max-load" in \
