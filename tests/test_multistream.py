@@ -160,6 +160,25 @@ def test_sinkhorn_knopp_is_doubly_stochastic_and_the_packages():
     torch.testing.assert_close(m, sinkhorn_knopps(logits, 20), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("topology", ["hc", "mhc"])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_the_compiled_elementwise_mixing_equals_the_eager_product(topology, dynamic):
+    """Under torch.compile a connection mixes the streams elementwise (which inductor fuses);
+    the eager product is the reference: the same sublayer input, mixed streams and gradients to 1e-5."""
+    torch._dynamo.reset()
+    connection = deit(topology, depth=1, hc_dynamic=dynamic).blocks[0].hc2
+    streams = torch.randn(2, 5, 4, 48, generator=torch.Generator().manual_seed(5))
+    results = []
+    for mix in (connection, torch.compile(connection, fullgraph=True, backend="aot_eager")):
+        leaf = streams.clone().requires_grad_()
+        h, mixed, beta = mix(leaf)
+        (h.sin().sum() + (mixed * beta.unsqueeze(-1)).cos().sum()).backward()
+        results.append((h, mixed, leaf.grad))
+    torch._dynamo.reset()
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- Attention Residuals against its equations
 
 
