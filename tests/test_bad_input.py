@@ -326,6 +326,17 @@ def test_a_misspelt_fashion_mnist_split_is_one_line(tmp_path, capsys):
         assert err == "error: Fashion-MNIST has no split 'tset': choose train or test"
 
 
+def test_a_split_name_fashion_mnist_would_ignore_is_refused_naming_its_splits(capsys):
+    """Fashion-MNIST's splits are fixed: ``data.val_split=train`` once evaluated the test images all the same."""
+    from vision.evaluate import main
+
+    err = refusal(main, ["--config", "configs/fmnist_deit3.yaml", "model.name=deit_tiny_patch16_224",
+                          "data.val_split=train"], capsys)
+    assert err == ("error: data.val_split=train: data.dataset=fashion_mnist has fixed splits (training on its 60,000 "
+                   "train images, evaluation on its 10,000 test images); the split names are folders of an "
+                   "imagefolder data.path: leave them out")
+
+
 # ------------------------------------------------------------------------------------------- settings
 
 @pytest.mark.parametrize("override", ["optim.base_lr=.nan", "optim.base_lr=.inf", "optim.min_lr=-.inf",
