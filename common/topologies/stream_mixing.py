@@ -77,9 +77,8 @@ class StreamConnection(nn.Module):
         """``(sublayer input (B, T, D), mixed streams (B, T, n, D), beta (..., n))`` of ``streams (B, T, n, D)``.
 
         Eager: one product of the streams with ``[into | among]``. Compiled: the same sums written elementwise,
-        which inductor fuses into loops over the streams; the product compiles to a batch of tiny ``(1+n) x n``
-        matrix products per token, which took 1.6x their time (one connection forward and backward, DeiT-S's shapes,
-        one CPU thread)."""
+        which inductor fuses into loops over the streams; the product would compile to a batch of tiny ``(1+n) x n``
+        matrix products per token, slower than those loops (docs/benchmarks.md)."""
         into, among, beta = self.coefficients(streams)
         if not torch.jit.is_scripting() and torch.compiler.is_compiling():
             return self.mix_elementwise(streams, into, among, beta)
