@@ -327,7 +327,7 @@ def test_a_misspelt_fashion_mnist_split_is_one_line(tmp_path, capsys):
 
 
 def test_a_split_name_fashion_mnist_would_ignore_is_refused_naming_its_splits(capsys):
-    """Fashion-MNIST's splits are fixed: ``data.val_split=train`` once evaluated the test images all the same."""
+    """Fashion-MNIST's splits are fixed, so a split name there would be ignored: it is refused instead."""
     from vision.evaluate import main
 
     err = refusal(main, ["--config", "configs/fmnist_deit3.yaml", "model.name=deit_tiny_patch16_224",

@@ -69,8 +69,8 @@ class DataConfig:
     max_val_samples: Optional[Annotated[int, Range(ge=1)]] = None  # evaluate on the first N val images
 
     def __post_init__(self):
-        moved = [f"data.{k}={getattr(self, k)}" for k, default in (("train_split", "train"), ("val_split", "val"))
-                 if getattr(self, k) != default]
+        moved = [f"data.{k}={getattr(self, k)}" for k in ("train_split", "val_split")
+                 if getattr(self, k) != self.__dataclass_fields__[k].default]
         if self.dataset == "fashion_mnist" and moved:
             raise ConfigError(f"{', '.join(moved)}: data.dataset=fashion_mnist has fixed splits (training on its 60,000 "
                               "train images, evaluation on its 10,000 test images); the split names are folders of an "

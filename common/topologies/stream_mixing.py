@@ -81,16 +81,16 @@ class StreamConnection(nn.Module):
         matrix products per token, slower than those loops (docs/benchmarks.md)."""
         into, among, beta = self.coefficients(streams)
         if not torch.jit.is_scripting() and torch.compiler.is_compiling():
-            return self.mix_elementwise(streams, into, among, beta)
+            h, mixed = self.mix_elementwise(streams, into, among)
+            return h, mixed, beta
         mixed = torch.cat([into.unsqueeze(-1), among], dim=-1).transpose(-1, -2) @ streams  # (..., 1+n, D)
         return mixed[..., 0, :], mixed[..., 1:, :], beta
 
     @torch.jit.unused
-    def mix_elementwise(self, streams: Tensor, into: Tensor, among: Tensor,
-                        beta: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def mix_elementwise(self, streams: Tensor, into: Tensor, among: Tensor) -> Tuple[Tensor, Tensor]:
         h = (into.unsqueeze(-1) * streams).sum(-2)                                  # (B, T, D)
         mixed = (among.unsqueeze(-1) * streams.unsqueeze(-2)).sum(-3)               # (B, T, n, D)
-        return h, mixed, beta
+        return h, mixed
 
     def extra_repr(self) -> str:
         return f"streams={self.streams}, dynamic={self.dynamic}"
