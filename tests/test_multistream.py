@@ -11,7 +11,7 @@ import torch
 import vision  # noqa: F401  (registers our models)
 from common.checkpoint import load_weights, save_weights
 from common.topologies.depth_routing import DepthAttention, SoleSource
-from common.topologies.stream_mixing import HyperConnection, sinkhorn_knopp
+from common.topologies.stream_mixing import FewColumnProduct, HyperConnection, few_column_product, sinkhorn_knopp
 from diffusion.models import DiT
 from tests.test_deit import SMALL, randomize_
 
@@ -158,6 +158,23 @@ def test_sinkhorn_knopp_is_doubly_stochastic_and_the_packages():
     from hyper_connections.manifold_constrained_hyper_connections import sinkhorn_knopps
 
     torch.testing.assert_close(m, sinkhorn_knopps(logits, 20), rtol=0, atol=1e-6)
+
+
+def test_the_dynamic_logits_product_and_its_gradients_equal_the_plain_product():
+    """The logits' ``streams @ weight`` runs transposed, with a gradient of its own: equal to the plain product in
+    value (1e-12) and gradients (gradcheck, float64), also for the first layer's expanded streams (stride 0)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(5, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    torch.testing.assert_close(few_column_product(x, weight), x @ weight, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(FewColumnProduct.apply, (x, weight))
+    embedding = torch.randn(2, 3, 1, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    grad = torch.randn(2, 3, 4, 6, dtype=torch.float64, generator=gen)
+    ours = torch.autograd.grad((FewColumnProduct.apply(embedding.expand(-1, -1, 4, -1), weight) * grad).sum(),
+                               (embedding, weight))
+    plain = torch.autograd.grad(((embedding.expand(-1, -1, 4, -1) @ weight) * grad).sum(), (embedding, weight))
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("topology, dynamic", [("hc", True), ("mhc", False)])  # per-token and shared coefficients

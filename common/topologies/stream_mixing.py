@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common.cli import InputError
-from common.topologies.base import NormLayer, ResidualBlock, StreamFusion, StreamStart, default_norm
+from common.topologies.base import NormLayer, ResidualBlock, StreamFusion, StreamStart, autograd_records, default_norm
 from common.topologies.registry import Topology, register
 
 Tensor = torch.Tensor
@@ -31,6 +31,33 @@ def sinkhorn_knopp(logits: Tensor, iters: int) -> Tensor:
         m = m / m.sum(dim=-2, keepdim=True)
         m = m / m.sum(dim=-1, keepdim=True)
     return m
+
+
+def few_column_product(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight`` for a ``weight (D, m)`` of a few columns, computed as ``(weight^T x^T)^T``: BLAS (oneDNN, MKL) runs
+    a product whose output has ``m`` columns several times slower than its transpose, with ``m`` rows
+    (docs/benchmarks.md). The result is a view of that transpose."""
+    rows = x.reshape(-1, x.shape[-1])
+    return (weight.t() @ rows.t()).t().reshape(x.shape[:-1] + weight.shape[-1:])
+
+
+class FewColumnProduct(torch.autograd.Function):
+    """:func:`few_column_product` whose weight gradient is ``(g^T x)^T``, not autograd's ``x^T g``, 5-10x faster on a
+    CPU for the same reason; equal to ``x @ weight``'s gradients to float round-off."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return few_column_product(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight.t() if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).t()
+        return grad_x, grad_weight
 
 
 class StreamConnection(nn.Module):
@@ -68,10 +95,21 @@ class StreamConnection(nn.Module):
         """``(RMSNorm(H) W_alpha, RMSNorm(H) w_beta)`` per stream, ``(..., n, 1+n)`` and ``(..., n)``, from one
         product of the streams with both maps: the norm's per-stream scale goes onto the ``2 + n`` numbers that
         product gives, so the normalised streams are never written out."""
-        weight = torch.cat([self.dynamic_alpha, self.dynamic_beta.unsqueeze(-1)], dim=-1)
+        weight = self.norm.weight.unsqueeze(-1) * torch.cat([self.dynamic_alpha, self.dynamic_beta.unsqueeze(-1)], -1)
         mean_square = torch.linalg.vector_norm(streams, dim=-1, keepdim=True).square() / streams.shape[-1]
-        logits = (streams @ (self.norm.weight.unsqueeze(-1) * weight)) * torch.rsqrt(mean_square + self.norm.eps)
+        if torch.jit.is_scripting():
+            product = streams @ weight
+        else:
+            product = self.logit_product(streams, weight)
+        logits = product * torch.rsqrt(mean_square + self.norm.eps)
         return logits[..., :-1], logits[..., -1]
+
+    @torch.jit.unused
+    def logit_product(self, streams: Tensor, weight: Tensor) -> Tensor:
+        """:class:`FewColumnProduct` where autograd records, else :func:`few_column_product` (FX, inference)."""
+        if autograd_records():
+            return FewColumnProduct.apply(streams, weight)
+        return few_column_product(streams, weight)
 
     def forward(self, streams: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """``(sublayer input (B, T, D), mixed streams (B, T, n, D), beta (..., n))`` of ``streams (B, T, n, D)``.
