@@ -42,8 +42,8 @@ def few_column_product(x: Tensor, weight: Tensor) -> Tensor:
 
 
 class FewColumnProduct(torch.autograd.Function):
-    """:func:`few_column_product` whose weight gradient is ``(g^T x)^T``, not autograd's ``x^T g``, 5-10x faster on a
-    CPU for the same reason; equal to ``x @ weight``'s gradients to float round-off."""
+    """:func:`few_column_product` whose weight gradient is ``(g^T x)^T``, not autograd's ``x^T g``, for the same
+    reason (its output has the few rows); equal to ``x @ weight``'s gradients to float round-off."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
