@@ -38,7 +38,7 @@ declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_'
                 [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.' [dit_lightning]='.')
 ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth dit_lightning)
-FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres deit3_depth "  # every run done and carried: restored and reported, not started
+FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres deit3_depth dit_lightning "  # every run done and carried: restored and reported, not started
 
 code_of() {  # the study's code snapshot
   echo "$STUDIES/code_${REV:-${REV_OF[$1]}}"
