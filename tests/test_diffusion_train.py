@@ -409,6 +409,31 @@ def test_lightningdit_recipe_on_fashion_mnist_logs_its_loss_parts_and_its_fid_sa
     assert direct["metrics"]["fid"] == final["fid"]
 
 
+def test_lightningdit_backbone_and_objective_train_the_same_on_two_processes(tmp_path):
+    """configs/fmnist_lightningdit_siamese.yaml (RMSNorm in both streams, SwiGLU, RoPE, the cosine term, logit-normal
+    t), TensorBoard on: one process and two (torchrun, gloo) reach the same weights and log the same loss parts."""
+    args = ["--config", str(ROOT / "configs/fmnist_lightningdit_siamese.yaml"), *TINY, *SMALL,
+            "train.tensorboard=true"]
+    main([*args, f"train.output_dir={tmp_path / 'one'}"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "diffusion.train", *args, f"train.output_dir={tmp_path / 'two'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r for r in read_metrics(tmp_path / "two") if "world_size" in r][0]["world_size"] == 2
+    same_weights(tmp_path / "one", tmp_path / "two", exact=False)
+    one, two = ([(r["train/loss"], r["train/mse"], r["train/cos"]) for r in read_metrics(tmp_path / d)
+                 if "train/loss" in r] for d in ("one", "two"))
+    assert len(one) == 6 and all(cos > 0 for _, _, cos in one)
+    assert [x for r in two for x in r] == pytest.approx([x for r in one for x in r], rel=1e-5)
+    from diffusion.checkpoints import load_dit
+    from diffusion.hub import backbone_switches
+
+    model, _, _ = load_dit(tmp_path / "two" / "ema.safetensors")
+    assert backbone_switches(model) == ["norm=rmsnorm", "mlp=swiglu", "rope"]
+    assert {type(m).__name__ for n, m in model.blocks[0].named_children() if "norm" in n} == {"RMSNorm"}  # both streams
+
+
 def test_lightningdit_settings_are_refused_where_they_do_nothing(tmp_path, capsys):
     base = ["--config", str(ROOT / "configs/fmnist_lightningdit_pre.yaml"), *SMALL, f"train.output_dir={tmp_path}"]
     for overrides, message in (
