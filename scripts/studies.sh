@@ -37,6 +37,10 @@ declare -A ARGS=(
 declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_'
                 [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.' [dit_lightning]='.')
+# runs a study's amendment added (its preregistration.md says why): one more process per study trains them from the
+# same snapshot with the study's settings as flags, since the snapshot's compare.yaml lists the original runs only
+declare -A ADDED=([deit_attnres]="--task deit --topologies pre siamese --depths 12 24 --seeds 0 1 2 3 4 5 --lrs 0.001 \
+--epochs 3 --diag-images 2000 --log-every 25")
 ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth dit_lightning)
 FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres deit3_depth dit_lightning "  # every run done and carried: restored and reported, not started
 
@@ -50,8 +54,27 @@ running_studies() {  # the studies `start` starts
   done
 }
 
-pids_of() {  # the study's scripts.compare processes
+study_pids_of() {  # the processes training the study's own list
   pgrep -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
+}
+
+added_pids_of() {  # the process training the runs its amendment added
+  [ -z "${ADDED[$1]:-}" ] || pgrep -f "scripts.compare ${ADDED[$1]} --out ${OUT[$1]} " || true
+}
+
+pids_of() {  # the study's scripts.compare processes
+  study_pids_of "$1"
+  added_pids_of "$1"
+}
+
+launch() {  # launch STUDY LOG ARGS...: one process of the study's snapshot, at the lowest priority, logging to LOG
+  local code study=$1 log=$2
+  shift 2
+  code=$(code_of "$study")
+  # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
+  setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $code && PYTHONPATH=$code OMP_NUM_THREADS=1 \
+    exec nice -n 19 .venv/bin/python -m scripts.compare $*" >> "$log" 2>&1 < /dev/null &
+  echo "$study started; log $log"
 }
 
 alive() {  # the process still runs scripts.compare (an ended one, zombie or gone, has no command line)
@@ -103,17 +126,17 @@ start() {
     code=$(code_of "$study")
     [ -x "$code/.venv/bin/python" ] ||
       { echo "no snapshot at $code: run \`bash scripts/studies.sh restore\` first"; exit 2; }
-    running=$(pids_of "$study" | wc -l)
+    running=$(study_pids_of "$study" | wc -l)
     [ "$running" -eq 0 ] || echo "$study runs already (pids $(pids_of "$study" | paste -sd' '))"
     mkdir -p "$STUDIES/$study"
     for k in $(seq $((running + 1)) "$processes"); do
-      local log=$STUDIES/$study/study$([ "$k" -gt 1 ] && echo "$k").log
-      # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
-      setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $code && PYTHONPATH=$code OMP_NUM_THREADS=1 \
-        exec nice -n 19 .venv/bin/python -m scripts.compare --study $study --out ${OUT[$study]} ${ARGS[$study]} \
-        --report $STUDIES/$study/report" >> "$log" 2>&1 < /dev/null &
-      echo "$study started; log $log"
+      launch "$study" "$STUDIES/$study/study$([ "$k" -gt 1 ] && echo "$k").log" --study "$study" \
+        --out "${OUT[$study]}" ${ARGS[$study]} --report "$STUDIES/$study/report"
     done
+    if [ -n "${ADDED[$study]:-}" ] && [ -z "$(added_pids_of "$study")" ]; then
+      launch "$study" "$STUDIES/$study/study_added.log" ${ADDED[$study]} --out "${OUT[$study]}" \
+        --report "$STUDIES/$study/report_added"
+    fi
   done
 }
 

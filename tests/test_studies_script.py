@@ -147,8 +147,8 @@ STARTED_STAND_IN = STAND_IN_SAYING_READY.format(say_ready='open(os.environ["READ
 
 
 def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_one(tmp_path):
-    """`start 2` twice starts two processes per unfinished study, not four; `stop` reads each one's own log for its
-    line."""
+    """`start 2` twice starts two processes per unfinished study, not four, plus one for the runs a study's amendment
+    added (deit_attnres); `stop` reads each one's own log for its line."""
     snapshot_python = tmp_path / "studies/code_test/.venv/bin/python"  # the snapshot's python: the stand-in
     write(snapshot_python, f"#!/bin/sh\nexec {sys.executable} -c '{STARTED_STAND_IN}' \"$@\"\n")
     snapshot_python.chmod(0o755)
@@ -162,19 +162,22 @@ def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_
         logs = {study: [tmp_path / f"studies/{study}/study.log", tmp_path / f"studies/{study}/study2.log"]
                 for study in ("deit_attnres", "dit_routing")}
         assert all(study not in said for study in ("dit_flow", "deit3_depth", "dit_lightning"))  # finished: not started again
+        added = tmp_path / "studies/deit_attnres/study_added.log"
+        assert said.count(f"deit_attnres started; log {added}") == 1 and "dit_routing/study_added" not in said
         for study, (first, second) in logs.items():
-            assert said.count(f"{study} started; log") == 2
+            assert said.count(f"{study} started; log") == 2 + (study == "deit_attnres")
             assert f"{study} started; log {first}" in said and f"{study} started; log {second}" in said
             assert said.count(f"{study} runs already (pids ") == 2
         said_ready = b""  # every handler installed before the SIGTERM
-        while said_ready.count(b"\n") < 4:
-            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the four processes"
+        while said_ready.count(b"\n") < 5:
+            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the five processes"
             said_ready += os.read(ready_fd, 4096)
-        assert said_ready == b"ready\n" * 4
+        assert said_ready == b"ready\n" * 5
         status = studies("status", tmp_path)
-        assert status.count("running (2 processes)") == 2, status
+        assert "deit_attnres: 0 finished; nothing in progress; running (3 processes)" in status, status
+        assert "dit_routing: 0 finished; nothing in progress; running (2 processes)" in status, status
         said = studies("stop", tmp_path)
-        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 4, said
+        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 5, said
         for study in logs:
             assert f"{study}: 0 finished; nothing in progress; stopped" in said
     finally:
