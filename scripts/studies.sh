@@ -39,8 +39,8 @@ declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.' [dit_lightning]='.')
 # runs a study's amendment added (its preregistration.md says why): one more process per study trains them from the
 # same snapshot with the study's settings as flags, since the snapshot's compare.yaml lists the original runs only
-declare -A ADDED=([deit_attnres]="--task deit --topologies pre siamese --depths 12 24 --seeds 0 1 2 3 4 5 --lrs 0.001 \
---epochs 3 --diag-images 2000 --log-every 25")
+declare -A ADDED=([deit_attnres]="--task deit --topologies pre siamese attnres_block --depths 12 24 \
+--seeds 0 1 2 3 4 5 --lrs 0.001 --epochs 3 --diag-images 2000 --log-every 25")
 ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth dit_lightning)
 FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres deit3_depth dit_lightning "  # every run done and carried: restored and reported, not started
 
