@@ -348,7 +348,7 @@ def test_routing_studies_train_variants_and_reuse_two_studies(tmp_path):
 
     opts = parse_args(["--study", "dit_routing", "--feature-weights", __file__, "--out", str(tmp_path)])
     specs = run_specs(opts)
-    assert len(specs) == 3 + 4 * 6 and [s.topology for s in specs[:7]] == [
+    assert len(specs) == 3 + 4 * 6 + 3 * 5 and [s.topology for s in specs[:7]] == [
         "pre", "siamese", "attnres", "attnres_block", "dar_t", "dar_dynamic", "siamese_dar"]
     dynamic = specs[5]
     topology, overrides = topology_settings(dynamic, opts)
