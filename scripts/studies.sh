@@ -5,7 +5,8 @@
 #
 #   bash scripts/studies.sh restore   # code snapshot + .venv, each --out rebuilt from carry/ (what is there is kept)
 #   bash scripts/studies.sh start [N] # N processes per study (default 1; they share its runs, each claimed by the
-#                                     # process training it) at the lowest priority, less those running; logs beside
+#                                     # process training it) at the lowest priority, less those running; logs beside;
+#                                     # the snapshot's run list is first this checkout's (an amendment may add runs)
 #   bash scripts/studies.sh status    # finished runs per study, runs in progress and their newest checkpoint
 #   bash scripts/studies.sh carry     # each newly finished run's small files into docs/results/<study>/carry/
 #   bash scripts/studies.sh stop      # SIGTERM (a run in progress checkpoints), then end the processes; then carry
@@ -37,10 +38,6 @@ declare -A ARGS=(
 declare -A OWN=([deit_hc_attnres]='.' [dit_hc_attnres]='^(mhc|attnres)_'
                 [dit_flow]='^(pre|siamese|flow_pre|flow_siamese|repa_pre|repa_siamese)_'
                 [deit_attnres]='.' [dit_routing]='.' [deit3_depth]='.' [dit_lightning]='.')
-# runs a study's amendment added (its preregistration.md says why): one more process per study trains them from the
-# same snapshot with the study's settings as flags, since the snapshot's compare.yaml lists the original runs only
-declare -A ADDED=([deit_attnres]="--task deit --topologies pre siamese attnres_block --depths 12 24 \
---seeds 0 1 2 3 4 5 --lrs 0.001 --epochs 3 --diag-images 2000 --log-every 25")
 ORDER=(deit_hc_attnres dit_flow dit_hc_attnres deit_attnres dit_routing deit3_depth dit_lightning)
 FINISHED=" deit_hc_attnres dit_flow dit_hc_attnres deit3_depth dit_lightning "  # every run done and carried: restored and reported, not started
 
@@ -54,27 +51,27 @@ running_studies() {  # the studies `start` starts
   done
 }
 
-study_pids_of() {  # the processes training the study's own list
+pids_of() {  # the study's scripts.compare processes
   pgrep -f "scripts.compare --study $1 --out ${OUT[$1]} " || true
 }
 
-added_pids_of() {  # the process training the runs its amendment added
-  [ -z "${ADDED[$1]:-}" ] || pgrep -f "scripts.compare ${ADDED[$1]} --out ${OUT[$1]} " || true
+grids_of() {  # the study's run list: the "      - {...}" lines under its "    grids:" in the compare.yaml on stdin
+  awk -v study="  $1:" '$0 == study {inside = 1; next} inside && /^  [^ #]/ {inside = 0}
+    inside && $0 == "    grids:" {grids = 1; next} grids && /^      - / {print; next} {grids = 0}'
 }
 
-pids_of() {  # the study's scripts.compare processes
-  study_pids_of "$1"
-  added_pids_of "$1"
-}
-
-launch() {  # launch STUDY LOG ARGS...: one process of the study's snapshot, at the lowest priority, logging to LOG
-  local code study=$1 log=$2
-  shift 2
-  code=$(code_of "$study")
-  # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
-  setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $code && PYTHONPATH=$code OMP_NUM_THREADS=1 \
-    exec nice -n 19 .venv/bin/python -m scripts.compare $*" >> "$log" 2>&1 < /dev/null &
-  echo "$study started; log $log"
+sync_grids() {  # the snapshot runs the study's list as this checkout's compare.yaml has it (an amendment may add runs
+  # after the snapshot was taken; their preregistration.md says why); every setting and all code stay the snapshot's
+  local snapshot grids
+  snapshot=$(code_of "$1")/configs/compare.yaml
+  [ -f "$snapshot" ] || return 0
+  grids=$(grids_of "$1" < "$REPO/configs/compare.yaml")
+  [ -n "$grids" ] && [ "$grids" != "$(grids_of "$1" < "$snapshot")" ] || return 0
+  awk -v study="  $1:" -v grids="$grids" '$0 == study {inside = 1} inside && /^  [^ #]/ && $0 != study {inside = 0}
+    inside && $0 == "    grids:" {print; print grids; skip = 1; next} skip && /^      - / {next} {skip = 0; print}' \
+    "$snapshot" > "$snapshot.new"
+  mv "$snapshot.new" "$snapshot"
+  echo "$1: its snapshot's run list updated from configs/compare.yaml"
 }
 
 alive() {  # the process still runs scripts.compare (an ended one, zombie or gone, has no command line)
@@ -126,17 +123,18 @@ start() {
     code=$(code_of "$study")
     [ -x "$code/.venv/bin/python" ] ||
       { echo "no snapshot at $code: run \`bash scripts/studies.sh restore\` first"; exit 2; }
-    running=$(study_pids_of "$study" | wc -l)
+    sync_grids "$study"  # a process already running keeps the list it read; the next one reads the new list
+    running=$(pids_of "$study" | wc -l)
     [ "$running" -eq 0 ] || echo "$study runs already (pids $(pids_of "$study" | paste -sd' '))"
     mkdir -p "$STUDIES/$study"
     for k in $(seq $((running + 1)) "$processes"); do
-      launch "$study" "$STUDIES/$study/study$([ "$k" -gt 1 ] && echo "$k").log" --study "$study" \
-        --out "${OUT[$study]}" ${ARGS[$study]} --report "$STUDIES/$study/report"
+      local log=$STUDIES/$study/study$([ "$k" -gt 1 ] && echo "$k").log
+      # autogroup 19: with the kernel's autogroup on, nice alone ranks processes only within their own session
+      setsid nohup bash -c "echo 19 > /proc/self/autogroup; cd $code && PYTHONPATH=$code OMP_NUM_THREADS=1 \
+        exec nice -n 19 .venv/bin/python -m scripts.compare --study $study --out ${OUT[$study]} ${ARGS[$study]} \
+        --report $STUDIES/$study/report" >> "$log" 2>&1 < /dev/null &
+      echo "$study started; log $log"
     done
-    if [ -n "${ADDED[$study]:-}" ] && [ -z "$(added_pids_of "$study")" ]; then
-      launch "$study" "$STUDIES/$study/study_added.log" ${ADDED[$study]} --out "${OUT[$study]}" \
-        --report "$STUDIES/$study/report_added"
-    fi
   done
 }
 
@@ -263,5 +261,5 @@ stop_lines() {  # the lines of a process's log that say a run stopped with a che
 
 case "${1:-}" in
   restore|start|status|carry|stop|drain) "$@" ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

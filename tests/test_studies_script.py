@@ -147,11 +147,19 @@ STARTED_STAND_IN = STAND_IN_SAYING_READY.format(say_ready='open(os.environ["READ
 
 
 def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_one(tmp_path):
-    """`start 2` twice starts two processes per unfinished study, not four, plus one for the runs a study's amendment
-    added (deit_attnres); `stop` reads each one's own log for its line."""
+    """`start 2` twice starts two processes per unfinished study, not four, from a snapshot whose run lists `start`
+    first made this checkout's (the amendments' added runs; nothing else in the file changes); `stop` reads each
+    process's own log for its line."""
     snapshot_python = tmp_path / "studies/code_test/.venv/bin/python"  # the snapshot's python: the stand-in
     write(snapshot_python, f"#!/bin/sh\nexec {sys.executable} -c '{STARTED_STAND_IN}' \"$@\"\n")
     snapshot_python.chmod(0o755)
+    checkout = (ROOT / "configs/compare.yaml").read_text()
+    # the baselines deit_attnres's and dit_routing's amendments added to their lists
+    added = ["      - {topologies: [pre, siamese, attnres_block], depths: [12, 24], seeds: [0, 1, 2, 3, 4, 5]}\n",
+             "      - {topologies: [pre, siamese, attnres], depths: [8], seeds: [0, 1, 2, 3, 4, 5]}\n"]
+    assert all(checkout.count(line) == 1 for line in added)
+    snapshot_config = tmp_path / "studies/code_test/configs/compare.yaml"
+    write(snapshot_config, "".join(line for line in checkout.splitlines(keepends=True) if line not in added))
     ready = tmp_path / "ready"
     os.mkfifo(ready)
     # Read-write: the FIFO never reaches end-of-file, so each stand-in's line waits here until it is read.
@@ -161,23 +169,23 @@ def test_start_runs_n_processes_per_study_each_with_its_log_and_stop_ends_every_
                        for command in ("start", "start 2", "start 2"))
         logs = {study: [tmp_path / f"studies/{study}/study.log", tmp_path / f"studies/{study}/study2.log"]
                 for study in ("deit_attnres", "dit_routing")}
-        assert all(study not in said for study in ("dit_flow", "deit3_depth", "dit_lightning"))  # finished: not started again
-        added = tmp_path / "studies/deit_attnres/study_added.log"
-        assert said.count(f"deit_attnres started; log {added}") == 1 and "dit_routing/study_added" not in said
+        finished = ("dit_flow", "deit3_depth", "dit_lightning")
+        assert all(f"{study} started" not in said for study in finished)  # restored and reported, not started again
+        assert snapshot_config.read_text() == checkout
         for study, (first, second) in logs.items():
-            assert said.count(f"{study} started; log") == 2 + (study == "deit_attnres")
+            assert said.count(f"{study}: its snapshot's run list updated from configs/compare.yaml") == 1
+            assert said.count(f"{study} started; log") == 2
             assert f"{study} started; log {first}" in said and f"{study} started; log {second}" in said
             assert said.count(f"{study} runs already (pids ") == 2
         said_ready = b""  # every handler installed before the SIGTERM
-        while said_ready.count(b"\n") < 5:
-            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the five processes"
+        while said_ready.count(b"\n") < 4:
+            assert select.select([ready_fd], [], [], 120)[0], f"only {said_ready!r} from the four processes"
             said_ready += os.read(ready_fd, 4096)
-        assert said_ready == b"ready\n" * 5
+        assert said_ready == b"ready\n" * 4
         status = studies("status", tmp_path)
-        assert "deit_attnres: 0 finished; nothing in progress; running (3 processes)" in status, status
-        assert "dit_routing: 0 finished; nothing in progress; running (2 processes)" in status, status
+        assert status.count("running (2 processes)") == 2, status
         said = studies("stop", tmp_path)
-        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 5, said
+        assert said.count("SIGTERM received: stopped at step 5 with a checkpoint (exit 4)") == 4, said
         for study in logs:
             assert f"{study}: 0 finished; nothing in progress; stopped" in said
     finally:
